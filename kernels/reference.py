@@ -1,0 +1,87 @@
+"""Plain-torch references for the attention and KV-commit kernels: the oracle in every test.
+
+Layout shared with the Triton kernels:
+- pages: `[num_pages, P, H_kv, D]` per layer; token p of a sequence lives in page
+  `block_table[p // P]`, slot `p % P`.
+- a batch of B sequences verifies N packed tree tokens; sequence b owns rows `cu_tree[b]:cu_tree[b+1]`
+  of `q`, `tree_k`, `tree_v` and `tree_mask`.
+- `tree_mask[r, w]` (int32 words): bit j of word w is set when row r may attend to its sequence's
+  tree token `32 * w + j` (ancestors and itself). The whole prefix is always visible.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def gather_prefix(pages: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """Dense `[length, H_kv, D]` view of one sequence's first `length` positions."""
+    page_size = pages.shape[1]
+    num_pages = (length + page_size - 1) // page_size
+    return pages[block_table[:num_pages].long()].flatten(0, 1)[:length]
+
+
+def unpack_tree_mask(words: torch.Tensor, length: int) -> torch.Tensor:
+    """`[R, W]` int32 words -> `[R, length]` bool."""
+    bits = torch.arange(length, device=words.device)
+    selected = words[:, bits // 32].to(torch.int64)
+    return ((selected >> (bits % 32)) & 1).bool()
+
+
+def pack_tree_mask(mask: torch.Tensor) -> torch.Tensor:
+    """`[R, T]` bool -> `[R, ceil(T / 32)]` int32 words (the inverse of unpack_tree_mask)."""
+    rows, length = mask.shape
+    num_words = max(1, (length + 31) // 32)
+    padded = torch.zeros(rows, num_words * 32, dtype=torch.int64, device=mask.device)
+    padded[:, :length] = mask.to(torch.int64)
+    weights = torch.ones(32, dtype=torch.int64, device=mask.device) << torch.arange(32, device=mask.device)
+    words = (padded.view(rows, num_words, 32) * weights).sum(-1)
+    # NOTE: reinterpret the low 32 bits as signed int32 (bit 31 set -> negative word).
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def verify_attention_reference(
+    q: torch.Tensor,  # [N, Hq, D]
+    k_pages: torch.Tensor,  # [num_pages, P, Hkv, D]
+    v_pages: torch.Tensor,  # [num_pages, P, Hkv, D]
+    block_tables: torch.Tensor,  # [B, max_pages] int32
+    prefix_lens: torch.Tensor,  # [B] int32
+    tree_k: torch.Tensor,  # [N, Hkv, D]
+    tree_v: torch.Tensor,  # [N, Hkv, D]
+    cu_tree: torch.Tensor,  # [B + 1] int32
+    tree_mask: torch.Tensor,  # [N, W] int32
+    sm_scale: float,
+) -> torch.Tensor:  # [N, Hq, D]
+    """Each tree row attends to its whole prefix plus the tree tokens its mask allows (fp32 math)."""
+    out = torch.empty_like(q)
+    group = q.shape[1] // k_pages.shape[2]
+    for b in range(block_tables.shape[0]):
+        lo, hi = int(cu_tree[b]), int(cu_tree[b + 1])
+        if hi == lo:
+            continue
+        n = int(prefix_lens[b])
+        keys = torch.cat([gather_prefix(k_pages, block_tables[b], n), tree_k[lo:hi]]).float()
+        values = torch.cat([gather_prefix(v_pages, block_tables[b], n), tree_v[lo:hi]]).float()
+        visible = torch.cat([torch.ones(hi - lo, n, dtype=torch.bool, device=q.device),
+                             unpack_tree_mask(tree_mask[lo:hi], hi - lo)], dim=1)  # [T, n + T]
+        keys = keys.repeat_interleave(group, dim=1)  # [S, Hq, D]
+        values = values.repeat_interleave(group, dim=1)
+        scores = torch.einsum("thd,shd->hts", q[lo:hi].float(), keys) * sm_scale
+        scores = scores.masked_fill(~visible, float("-inf"))
+        out[lo:hi] = torch.einsum("hts,shd->thd", scores.softmax(-1), values).to(q.dtype)
+    return out
+
+
+def commit_kv_reference(
+    k_pages: torch.Tensor,  # [L, num_pages, P, Hkv, D]
+    v_pages: torch.Tensor,  # [L, num_pages, P, Hkv, D]
+    tree_k: torch.Tensor,  # [L, N, Hkv, D]
+    tree_v: torch.Tensor,  # [L, N, Hkv, D]
+    src_rows: torch.Tensor,  # [M] rows of the tree scratch
+    dst_slots: torch.Tensor,  # [M] flat slots: page * P + offset
+) -> None:
+    """Copy accepted rows of the tree scratch into their page slots, for every layer."""
+    num_layers, num_pages, page_size = k_pages.shape[:3]
+    for pages, tree in ((k_pages, tree_k), (v_pages, tree_v)):
+        pages.view(num_layers, num_pages * page_size, *pages.shape[3:])[:, dst_slots.long()] = \
+            tree[:, src_rows.long()]

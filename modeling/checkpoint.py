@@ -1,0 +1,83 @@
+"""Reading and writing Hugging Face safetensors checkpoints (single file or sharded with an index)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from modeling.config import ModelConfig, parse_dtype
+from modeling.rope import RotaryEmbedding
+from modeling.target import CausalLM
+
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def checkpoint_files(path: str | Path) -> list[Path]:
+    path = Path(path)
+    index = path / INDEX_FILE
+    if index.is_file():
+        return [path / name for name in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {path}")
+    return files
+
+
+def iter_tensors(path: str | Path, wanted: set[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) from every shard; with `wanted`, only those names (others are never read)."""
+    for file in checkpoint_files(path):
+        with safe_open(str(file), framework="pt") as shard:
+            for name in shard.keys():
+                if wanted is None or name in wanted:
+                    yield name, shard.get_tensor(name)
+
+
+def load_causal_lm(path: str | Path, dtype: str | torch.dtype | None = None,
+                   device: str | torch.device = "cpu") -> CausalLM:
+    """Build the model on the meta device and fill it from the checkpoint, shard by shard."""
+    config = ModelConfig.from_dir(path)
+    dtype = parse_dtype(dtype or config.torch_dtype)
+    with torch.device("meta"):
+        model = CausalLM(config)
+    model.to_empty(device=device)
+    model.rotary = RotaryEmbedding(config.rope, config.head_dim).to(device)
+    params = dict(model.named_parameters())
+    missing = set(params)
+    for name, tensor in iter_tensors(path):
+        if name not in params:
+            continue  # e.g. rotary inv_freq buffers some exporters write
+        params[name].data = tensor.to(device=device, dtype=dtype)
+        missing.discard(name)
+        if name == "model.embed_tokens.weight" and config.tie_word_embeddings:
+            missing.discard("lm_head.weight")
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    if missing:
+        raise ValueError(f"checkpoint {path} lacks tensors: {sorted(missing)[:5]} ...")
+    return model.eval().requires_grad_(False)
+
+
+def save_sharded(tensors: dict[str, torch.Tensor], path: str | Path, max_shard_bytes: int) -> None:
+    """Write tensors as `model-0000i-of-0000n.safetensors` shards plus the HF index file."""
+    path = Path(path)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, tensor in tensors.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensor.contiguous()
+        size += nbytes
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(path / file), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, file))
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    (path / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))

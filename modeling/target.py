@@ -1,0 +1,54 @@
+"""The target causal LM (Qwen3 / Qwen2 / Llama) over packed tokens of many sequences."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from modeling.config import ModelConfig
+from modeling.layers import DecoderLayer, LayerAttention, RMSNorm
+from modeling.rope import RotaryEmbedding
+
+
+class DecoderStack(nn.Module):
+    """Parameter names mirror HF's `model.*` so checkpoints load by name."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.model = DecoderStack(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.rotary = RotaryEmbedding(config.rope, config.head_dim)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [N] packed tokens of one or more sequences
+        positions: torch.Tensor,  # [N]
+        attend: LayerAttention,
+        capture_layers: tuple[int, ...] = (),
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """-> final normed hidden [N, H] and, if asked, the concatenated hidden states after
+        `capture_layers` [N, len(capture_layers) * H] (HF `hidden_states[i + 1]`)."""
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = self.rotary(positions, x.dtype)
+        captured = []
+        for index, layer in enumerate(self.model.layers):
+            x = layer(index, x, cos, sin, attend)
+            if index in capture_layers:
+                captured.append(x)
+        features = None
+        if capture_layers:
+            by_layer = dict(zip(sorted(set(capture_layers)), captured))
+            features = torch.cat([by_layer[i] for i in capture_layers], dim=-1)
+        return self.model.norm(x), features
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()

@@ -1,0 +1,53 @@
+"""Attention backends behind one interface: the plain-torch reference (the oracle) and Triton kernels."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from kernels import reference
+from verifier_service.engine.kv_cache import KVCache, TreeScratch
+from verifier_service.engine.verify_batch import VerifyBatch
+
+
+class AttentionBackend(Protocol):
+    def verify(self, q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, tree_k: torch.Tensor,
+               tree_v: torch.Tensor, batch: VerifyBatch, sm_scale: float) -> torch.Tensor:
+        """q: [N, Hq, D]; pages: one layer's pool; tree_k/v: [N, Hkv, D] -> [N, Hq, D]."""
+        ...
+
+    def commit(self, kv: KVCache, scratch: TreeScratch, src_rows: torch.Tensor, dst_slots: torch.Tensor) -> None:
+        """Copy scratch rows `src_rows` into page slots `dst_slots` in every layer."""
+        ...
+
+
+class TorchReferenceBackend:
+    def verify(self, q, k_pages, v_pages, tree_k, tree_v, batch, sm_scale):
+        return reference.verify_attention_reference(q, k_pages, v_pages, batch.block_tables, batch.prefix_lens,
+                                                    tree_k, tree_v, batch.cu_tree, batch.tree_mask, sm_scale)
+
+    def commit(self, kv, scratch, src_rows, dst_slots):
+        reference.commit_kv_reference(kv.k, kv.v, scratch.k, scratch.v, src_rows, dst_slots)
+
+
+def make_backend(name: str) -> AttentionBackend:
+    if name == "torch":
+        return TorchReferenceBackend()
+    raise ValueError(f"attention backend must be 'torch' or 'triton', got {name!r}")
+
+
+class PagedVerifyAttention:
+    """The per-layer attention the model calls during one engine forward: the block's K/V go to the
+    tree scratch (never the pages), then the backend attends over pages + scratch."""
+
+    def __init__(self, backend: AttentionBackend, kv: KVCache, scratch: TreeScratch, batch: VerifyBatch,
+                 sm_scale: float):
+        self.backend, self.kv, self.scratch, self.batch, self.sm_scale = backend, kv, scratch, batch, sm_scale
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        n = q.shape[0]
+        self.scratch.k[layer, :n] = k
+        self.scratch.v[layer, :n] = v
+        return self.backend.verify(q, self.kv.k[layer], self.kv.v[layer], self.scratch.k[layer, :n],
+                                   self.scratch.v[layer, :n], self.batch, self.sm_scale)

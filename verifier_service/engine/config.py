@@ -1,0 +1,42 @@
+"""Engine configuration: frozen, derived values as properties."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from modeling.config import parse_dtype
+
+PAGE_SIZES = (16, 32, 64, 128, 256)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    page_size: int = 64
+    kv_budget_bytes: int = 256 << 20  # K and V pages of all layers together
+    max_tree_nodes: int = 255  # draft nodes per tree (the verify block holds one more: the root)
+    prefill_chunk: int = 512
+    max_batch_tokens: int = 2048  # rows of the tree scratch: verify blocks of one batch, or one prefill chunk
+    max_context: int | None = None  # defaults to the model's max_position_embeddings
+    dtype: str = "float32"
+    device: str = "cpu"
+    attention: str = "torch"  # torch (reference) | triton
+    feature_layers: tuple[int, ...] = ()  # target layers whose hidden states feed the drafter
+
+    def __post_init__(self) -> None:
+        if self.page_size not in PAGE_SIZES:
+            raise ValueError(f"page_size must be one of {PAGE_SIZES}, got {self.page_size}")
+        if self.prefill_chunk < 1 or self.prefill_chunk > self.max_batch_tokens:
+            raise ValueError("prefill_chunk must be in [1, max_batch_tokens]")
+        if self.max_tree_nodes + 1 > self.max_batch_tokens:
+            raise ValueError("max_tree_nodes + 1 must fit in max_batch_tokens")
+        parse_dtype(self.dtype)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return parse_dtype(self.dtype)
+
+    @property
+    def max_tree_tokens(self) -> int:
+        return self.max_tree_nodes + 1

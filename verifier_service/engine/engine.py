@@ -1,0 +1,224 @@
+"""The verifier engine: sessions over a paged KV cache, chunked prefill, and the batched
+verify -> accept -> commit step (plain decoding is the step with an empty tree)."""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from modeling.checkpoint import load_causal_lm
+from modeling.target import CausalLM
+from modeling.tokenizer import Tokenizer
+from modeling.tree import DraftTree
+from verifier_service.engine.acceptance import accept_path
+from verifier_service.engine.attention import PagedVerifyAttention, make_backend
+from verifier_service.engine.block_table import BlockTable
+from verifier_service.engine.config import EngineConfig
+from verifier_service.engine.errors import CapacityError, InvalidRequest
+from verifier_service.engine.kv_cache import KVCache, TreeScratch
+from verifier_service.engine.page_pool import PagePool
+from verifier_service.engine.sampling import SamplingParams, choose_tokens
+from verifier_service.engine.session import Generation, Session
+from verifier_service.engine.stopping import StopChecker, StopReason
+from verifier_service.engine.verify_batch import BlockSpec, VerifyBatch, build_verify_batch
+
+
+@dataclass(frozen=True)
+class StepResult:
+    session_id: str
+    accepted: list[int]  # draft tokens the target accepted (the root excluded)
+    emitted: list[int]  # tokens for the client: accepted + bonus, cut at a stop
+    commit_start: int  # KV position of committed[0]
+    committed: list[int]  # tokens this step put into the KV (root + accepted, cut at a stop)
+    features: torch.Tensor | None  # [len(committed), F] target hidden features for the drafter
+    finished: StopReason | None
+
+    @property
+    def acceptance_length(self) -> int:
+        """Tokens this verify step produced: accepted drafts plus the bonus token."""
+        return len(self.accepted) + 1
+
+
+class Engine:
+    def __init__(self, model: CausalLM, config: EngineConfig, tokenizer: Tokenizer | None = None):
+        self.model, self.config, self.tokenizer = model, config, tokenizer
+        self.model_config = model.config
+        self.max_context = config.max_context or self.model_config.max_position_embeddings
+        dtype, device = config.torch_dtype, torch.device(config.device)
+        num_pages = config.kv_budget_bytes // KVCache.page_bytes(self.model_config, config.page_size, dtype)
+        if num_pages < 1:
+            raise ValueError("kv_budget_bytes is smaller than one KV page")
+        self.pool = PagePool(num_pages)
+        self.kv = KVCache(self.model_config, num_pages, config.page_size, dtype, device)
+        self.scratch = TreeScratch(self.model_config, config.max_batch_tokens, dtype, device)
+        self.backend = make_backend(config.attention)
+        self.sm_scale = self.model_config.head_dim ** -0.5
+        self.sessions: dict[str, Session] = {}
+
+    @staticmethod
+    def from_checkpoint(path: str | Path, config: EngineConfig) -> Engine:
+        model = load_causal_lm(path, config.torch_dtype, config.device)
+        tokenizer = Tokenizer.from_dir(path) if (Path(path) / "tokenizer.json").is_file() else None
+        return Engine(model, config, tokenizer)
+
+    @property
+    def device(self) -> torch.device:
+        return self.kv.k.device
+
+    # ---- sessions -------------------------------------------------------------------------------
+
+    def session(self, session_id: str) -> Session:
+        if session_id not in self.sessions:
+            raise KeyError(f"unknown session {session_id!r}")
+        return self.sessions[session_id]
+
+    def create_session(self, prompt: list[int], session_id: str | None = None,
+                       feature_tail: int = 0) -> tuple[Session, torch.Tensor | None]:
+        """Prefill `prompt[:-1]` into fresh pages; returns the session and the features of the last
+        `feature_tail` prefilled tokens (the drafter's seed)."""
+        session_id = session_id or secrets.token_hex(8)
+        if session_id in self.sessions:
+            raise InvalidRequest(f"session_id {session_id!r} already exists")
+        if not prompt:
+            raise InvalidRequest("prompt must contain at least one token")
+        session = Session(session_id, [], BlockTable(self.pool, self.config.page_size))
+        features = self._extend(session, prompt, feature_tail)
+        self.sessions[session_id] = session
+        return session, features
+
+    def extend_session(self, session_id: str, tokens: list[int], feature_tail: int = 0) -> torch.Tensor | None:
+        """Append a new turn; on error the session is unchanged."""
+        if not tokens:
+            raise InvalidRequest("tokens must contain at least one token")
+        return self._extend(self.session(session_id), tokens, feature_tail)
+
+    def fork_session(self, session_id: str, new_id: str | None = None) -> Session:
+        """A new session sharing every page of the source copy-on-write."""
+        source = self.session(session_id)
+        new_id = new_id or secrets.token_hex(8)
+        if new_id in self.sessions:
+            raise InvalidRequest(f"session_id {new_id!r} already exists")
+        fork = Session(new_id, list(source.tokens), source.block_table.fork())
+        self.sessions[new_id] = fork
+        return fork
+
+    def release_session(self, session_id: str) -> None:
+        session = self.sessions.pop(session_id, None)
+        if session is not None:
+            session.block_table.release()
+
+    def start_generation(self, session_id: str, params: SamplingParams) -> None:
+        params.validate()
+        for token in params.stop_token_ids:
+            if token >= self.model_config.vocab_size:
+                raise InvalidRequest(f"stop_token_ids contains {token}, outside the vocabulary")
+        if params.stop_strings and self.tokenizer is None:
+            raise InvalidRequest("stop_strings need a tokenizer; the checkpoint has none")
+        generator = None
+        if not params.greedy:
+            seed = params.seed if params.seed is not None else secrets.randbits(63)
+            generator = torch.Generator(self.device).manual_seed(seed)
+        decode = self.tokenizer.decode if self.tokenizer else None
+        stop = StopChecker(params, self.model_config.eos_token_ids, decode)
+        self.session(session_id).generation = Generation(params, stop, generator)
+
+    # ---- prefill --------------------------------------------------------------------------------
+
+    def _extend(self, session: Session, new_tokens: list[int], feature_tail: int) -> torch.Tensor | None:
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in new_tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequest(f"prompt token {bad} is outside the vocabulary [0, {vocab})")
+        tokens = session.tokens + new_tokens
+        if len(tokens) > self.max_context:
+            raise InvalidRequest(f"prompt of {len(tokens)} tokens exceeds max_context {self.max_context}")
+        start, end = session.kv_len if session.tokens else 0, len(tokens) - 1
+        if not self.pool.can_allocate(session.block_table.pages_needed(start, end)):
+            raise CapacityError(f"KV cache full: a prompt of {len(tokens)} tokens does not fit "
+                                f"({self.pool.num_free} pages free)")
+        session.block_table.prepare_write(start, end, self.kv)
+        features = []
+        for chunk_start in range(start, end, self.config.prefill_chunk):
+            chunk = tokens[chunk_start:min(end, chunk_start + self.config.prefill_chunk)]
+            block = BlockSpec.chain(chunk_start, chunk, session.block_table.pages)
+            _, chunk_features = self._forward(build_verify_batch([block], self.device))
+            rows = torch.arange(len(chunk), device=self.device)
+            slots = torch.tensor([session.block_table.slot(chunk_start + i) for i in range(len(chunk))],
+                                 device=self.device)
+            self.backend.commit(self.kv, self.scratch, rows, slots)
+            if chunk_features is not None and feature_tail:
+                features.append(chunk_features[-feature_tail:])
+        session.tokens = tokens
+        if not features:
+            return None
+        return torch.cat(features)[-feature_tail:]
+
+    # ---- the speculative step ---------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def _forward(self, batch: VerifyBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        attend = PagedVerifyAttention(self.backend, self.kv, self.scratch, batch, self.sm_scale)
+        return self.model(batch.input_ids, batch.positions, attend, self.config.feature_layers)
+
+    def _check_tree(self, session: Session, tree: DraftTree) -> DraftTree:
+        tree.validate(self.model_config.vocab_size, self.config.max_tree_nodes)
+        if session.generation is None:
+            raise InvalidRequest(f"session {session.session_id!r} has no generation in progress")
+        room = self.max_context - len(session.tokens)
+        if room < 1:
+            raise InvalidRequest(f"session {session.session_id!r} has reached max_context {self.max_context}")
+        return tree.truncated(room - 1)  # NOTE: the bonus token needs one position too
+
+    def step(self, work: list[tuple[str, DraftTree]]) -> list[StepResult]:
+        """Verify each session's tree in one batched forward, accept, commit. All trees are validated
+        and all pages reserved before anything runs: on error no session changes."""
+        sessions = [self.session(sid) for sid, _ in work]
+        if len({s.session_id for s in sessions}) != len(sessions):
+            raise InvalidRequest("a session appears twice in one step")
+        trees = [self._check_tree(s, tree) for s, (_, tree) in zip(sessions, work)]
+        if sum(len(t) + 1 for t in trees) > self.config.max_batch_tokens:
+            raise InvalidRequest(f"the step's trees exceed max_batch_tokens {self.config.max_batch_tokens}")
+        spans = [(s.kv_len, s.kv_len + t.max_depth() + 1) for s, t in zip(sessions, trees)]
+        needed = sum(s.block_table.pages_needed(a, b) for s, (a, b) in zip(sessions, spans))
+        if not self.pool.can_allocate(needed):
+            raise CapacityError(f"KV cache full: the step needs {needed} pages, {self.pool.num_free} free")
+        for s, (a, b) in zip(sessions, spans):
+            s.block_table.prepare_write(a, b, self.kv)
+
+        blocks = [BlockSpec.from_tree(s.kv_len, s.root, t, s.block_table.pages) for s, t in zip(sessions, trees)]
+        batch = build_verify_batch(blocks, self.device)
+        hidden, features = self._forward(batch)
+        logits = self.model.logits(hidden)  # [N, V]
+        offsets = batch.cu_tree.tolist()
+
+        results, src_rows, dst_slots = [], [], []
+        for s, tree, lo, hi in zip(sessions, trees, offsets, offsets[1:]):
+            generation = s.generation
+            targets = choose_tokens(logits[lo:hi], generation.params, generation.generator).tolist()
+            path, bonus = accept_path(tree, targets)
+            emitted, reason = generation.stop.feed([tree.tokens[i] for i in path] + [bonus])
+            # NOTE: KV keeps tokens[:-1], so the root and all emitted tokens but the last are committed.
+            rows = [lo] + [lo + 1 + i for i in path[: len(emitted) - 1]]
+            start = s.kv_len
+            src_rows += rows
+            dst_slots += [s.block_table.slot(start + j) for j in range(len(rows))]
+            s.tokens += emitted
+            if reason is None and len(s.tokens) >= self.max_context:
+                reason = StopReason.LENGTH
+            results.append(StepResult(
+                session_id=s.session_id,
+                accepted=[tree.tokens[i] for i in path],
+                emitted=emitted,
+                commit_start=start,
+                committed=[s.tokens[start + j] for j in range(len(rows))],
+                features=None if features is None else features[rows],
+                finished=reason,
+            ))
+        self.backend.commit(self.kv, self.scratch, torch.tensor(src_rows, device=self.device),
+                            torch.tensor(dst_slots, device=self.device))
+        for s in sessions:
+            s.block_table.truncate(s.kv_len)  # give back pages reserved for deeper paths
+        return results

@@ -1,0 +1,67 @@
+"""Sampling parameters and the choice of the target's token at every verify row."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from verifier_service.engine.errors import InvalidRequest
+
+MAX_TOP_K = 1 << 20
+MAX_NEW_TOKENS = 1 << 20
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0
+    seed: int | None = None
+    max_new_tokens: int = 64
+    stop_token_ids: tuple[int, ...] = ()
+    stop_strings: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    def validate(self) -> None:
+        if not 0.0 <= self.temperature <= 100.0:
+            raise InvalidRequest(f"temperature must be in [0, 100], got {self.temperature}")
+        if not 0 <= self.top_k <= MAX_TOP_K:
+            raise InvalidRequest(f"top_k must be in [0, {MAX_TOP_K}], got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 1 <= self.max_new_tokens <= MAX_NEW_TOKENS:
+            raise InvalidRequest(f"max_new_tokens must be in [1, {MAX_NEW_TOKENS}], got {self.max_new_tokens}")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise InvalidRequest("stop_token_ids must be non-negative")
+        if any(not s for s in self.stop_strings):
+            raise InvalidRequest("stop_strings must not contain empty strings")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def target_distribution(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """logits: [T, V] fp32 -> probabilities [T, V] after temperature, top-k and top-p."""
+    logits = logits / params.temperature
+    if params.top_k and params.top_k < logits.shape[-1]:
+        kth = logits.topk(params.top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = logits.softmax(-1)
+    if params.top_p < 1.0:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        # NOTE: keep a token when the mass before it is below top_p (the top token always survives).
+        drop_sorted = (sorted_probs.cumsum(-1) - sorted_probs) >= params.top_p
+        probs = probs.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), 0.0)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def choose_tokens(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
+    """The target's own token at each row: argmax when greedy, else an independent draw per row.
+    logits: [T, V] -> [T] int64."""
+    if params.greedy:
+        return logits.argmax(-1)
+    probs = target_distribution(logits, params)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)

@@ -1,0 +1,37 @@
+"""A session: its tokens, its pages, and the state of the generation in progress."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from verifier_service.engine.block_table import BlockTable
+from verifier_service.engine.sampling import SamplingParams
+from verifier_service.engine.stopping import StopChecker
+
+
+@dataclass
+class Generation:
+    params: SamplingParams
+    stop: StopChecker
+    generator: torch.Generator | None
+
+
+@dataclass
+class Session:
+    """NOTE (invariant): the KV pages hold `tokens[:-1]`; `tokens[-1]` is the pending root of the
+    next verify step (the last prompt token, or the last emitted token)."""
+
+    session_id: str
+    tokens: list[int]
+    block_table: BlockTable
+    generation: Generation | None = None
+
+    @property
+    def kv_len(self) -> int:
+        return len(self.tokens) - 1
+
+    @property
+    def root(self) -> int:
+        return self.tokens[-1]

@@ -1,0 +1,88 @@
+"""Packing several sessions' verify blocks (or one prefill chunk) into one forward.
+
+A block is a root plus nodes: row 0 is the root at position n, a node of depth d sits at n + d and
+sees the whole prefix plus its ancestors and itself in the block (a prefill chunk is a chain).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from modeling.tree import DraftTree
+
+
+@dataclass(frozen=True)
+class BlockSpec:
+    """One session's rows: tokens, depths below the root, parent rows (-1 for row 0)."""
+
+    prefix_len: int
+    tokens: list[int]
+    depths: list[int]
+    parent_rows: list[int]
+    pages: list[int]
+
+    @staticmethod
+    def from_tree(prefix_len: int, root: int, tree: DraftTree, pages: list[int]) -> BlockSpec:
+        return BlockSpec(prefix_len, [root, *tree.tokens], [0, *tree.depths],
+                         [-1, *(p + 1 for p in tree.parents)], pages)
+
+    @staticmethod
+    def chain(prefix_len: int, tokens: list[int], pages: list[int]) -> BlockSpec:
+        return BlockSpec(prefix_len, tokens, list(range(len(tokens))), list(range(-1, len(tokens) - 1)), pages)
+
+
+@dataclass(frozen=True)
+class VerifyBatch:
+    input_ids: torch.Tensor  # [N]
+    positions: torch.Tensor  # [N]
+    block_tables: torch.Tensor  # [B, max_pages] int32
+    prefix_lens: torch.Tensor  # [B] int32
+    cu_tree: torch.Tensor  # [B + 1] int32
+    tree_mask: torch.Tensor  # [N, W] int32 ancestor bits
+    max_prefix_len: int
+    max_tree_len: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[0]
+
+
+def _signed32(word: int) -> int:
+    return word - (1 << 32) if word >= 1 << 31 else word
+
+
+def ancestor_words(parent_rows: list[int], num_words: int) -> list[list[int]]:
+    """Per row, the bit set of its ancestors and itself, as `num_words` signed int32 words."""
+    bits: list[int] = []
+    for row, parent in enumerate(parent_rows):
+        bits.append((bits[parent] if parent >= 0 else 0) | (1 << row))
+    return [[_signed32((b >> (32 * w)) & 0xFFFFFFFF) for w in range(num_words)] for b in bits]
+
+
+def build_verify_batch(blocks: list[BlockSpec], device: torch.device | str) -> VerifyBatch:
+    max_tree = max(len(b.tokens) for b in blocks)
+    num_words = -(-max_tree // 32)
+    max_pages = max(1, max(len(b.pages) for b in blocks))
+    ids, positions, mask, tables, cu = [], [], [], [], [0]
+    for block in blocks:
+        ids += block.tokens
+        positions += [block.prefix_len + d for d in block.depths]
+        mask += ancestor_words(block.parent_rows, num_words)
+        tables.append(block.pages + [0] * (max_pages - len(block.pages)))
+        cu.append(cu[-1] + len(block.tokens))
+
+    def as_tensor(values: list, dtype: torch.dtype = torch.int32) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+    return VerifyBatch(
+        input_ids=as_tensor(ids, torch.int64),
+        positions=as_tensor(positions, torch.int64),
+        block_tables=as_tensor(tables),
+        prefix_lens=as_tensor([b.prefix_len for b in blocks]),
+        cu_tree=as_tensor(cu),
+        tree_mask=as_tensor(mask),
+        max_prefix_len=max(b.prefix_len for b in blocks),
+        max_tree_len=max_tree,
+    )
