@@ -1,0 +1,127 @@
+"""The gateway's session registry: opaque handles -> the verifier session that holds their KV.
+
+Pure domain code (no gRPC): the servicer maps SessionNotFound to NOT_FOUND, SessionForbidden to
+PERMISSION_DENIED and TooManySessions to RESOURCE_EXHAUSTED.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+# 24 random bytes = 192 bits: a handle cannot be guessed, only handed out.
+HANDLE_BYTES = 24
+
+
+class SessionNotFound(LookupError):
+    """The handle is unknown, released or expired."""
+
+
+class SessionForbidden(PermissionError):
+    """The handle belongs to another API key."""
+
+
+class TooManySessions(RuntimeError):
+    """The key already holds its maximum number of sessions."""
+
+
+@dataclass
+class SessionEntry:
+    handle: str
+    owner: str | None  # the creating key's identity; None when auth is off
+    verifier: str  # address of the verifier holding the KV
+    verifier_session_id: str
+    last_used: float
+    in_use: int = 0  # calls running on the session now; it never expires while > 0
+
+
+class SessionRegistry:
+    """Handles bound to their owner, released after `idle_ttl_s` without a call on them.
+
+    NOTE: with auth off every session has owner None, so `max_sessions_per_key` bounds them all.
+    Expired entries stay until `expire_idle` hands them to the caller, which must release their
+    verifier sessions; lookups already treat them as gone.
+    """
+
+    def __init__(self, idle_ttl_s: float, max_sessions_per_key: int,
+                 clock: Callable[[], float] = time.monotonic):
+        if idle_ttl_s <= 0 or max_sessions_per_key < 1:
+            raise ValueError("idle_ttl_s must be > 0 and max_sessions_per_key >= 1")
+        self.idle_ttl_s = idle_ttl_s
+        self.max_sessions_per_key = max_sessions_per_key
+        self._clock = clock
+        self._entries: dict[str, SessionEntry] = {}
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def can_create(self, owner: str | None) -> bool:
+        """Check before the (costly) prefill; `create` still enforces the limit."""
+        return len(self.owned_by(owner)) < self.max_sessions_per_key
+
+    def create(self, owner: str | None, verifier: str, verifier_session_id: str) -> SessionEntry:
+        """Register a verifier session under a fresh handle. On TooManySessions the caller still
+        owns the verifier session and must release it."""
+        if not self.can_create(owner):
+            raise TooManySessions(f"this key already holds {self.max_sessions_per_key} sessions; "
+                                  "release one first")
+        handle = secrets.token_urlsafe(HANDLE_BYTES)
+        entry = SessionEntry(handle, owner, verifier, verifier_session_id, last_used=self._clock())
+        self._entries[handle] = entry
+        return entry
+
+    def get(self, handle: str, owner: str | None) -> SessionEntry:
+        """The owner's live entry; a lookup counts as use and restarts the idle timer."""
+        entry = self._live(handle, owner)
+        entry.last_used = self._clock()
+        return entry
+
+    @contextmanager
+    def using(self, handle: str, owner: str | None) -> Iterator[SessionEntry]:
+        """Hold the session for a call that may outlast the TTL (a long generation)."""
+        entry = self.get(handle, owner)
+        entry.in_use += 1
+        try:
+            yield entry
+        finally:
+            entry.in_use -= 1
+            entry.last_used = self._clock()
+
+    def remove(self, handle: str, owner: str | None) -> SessionEntry:
+        """Forget the handle; the caller releases the returned verifier session."""
+        entry = self._live(handle, owner)
+        del self._entries[handle]
+        return entry
+
+    def owned_by(self, owner: str | None) -> list[SessionEntry]:
+        """The owner's live sessions, oldest use first."""
+        now = self._clock()
+        mine = [e for e in self._entries.values() if e.owner == owner and not self._expired(e, now)]
+        return sorted(mine, key=lambda e: e.last_used)
+
+    def idle_for(self, entry: SessionEntry) -> float:
+        """Seconds since the last call on the session (0 while one runs)."""
+        return 0.0 if entry.in_use else max(0.0, self._clock() - entry.last_used)
+
+    def expire_idle(self, now: float | None = None) -> list[SessionEntry]:
+        """Drop and return the entries idle longer than the TTL, for the caller to release."""
+        now = self._clock() if now is None else now
+        expired = [e for e in self._entries.values() if self._expired(e, now)]
+        for entry in expired:
+            del self._entries[entry.handle]
+        return expired
+
+    def _live(self, handle: str, owner: str | None) -> SessionEntry:
+        entry = self._entries.get(handle)
+        if entry is None or self._expired(entry, self._clock()):
+            raise SessionNotFound("session: unknown or expired handle")
+        # NOTE: owners are key digests, not keys: a plain comparison leaks nothing usable.
+        if entry.owner != owner:
+            raise SessionForbidden("session: the handle belongs to another API key")
+        return entry
+
+    def _expired(self, entry: SessionEntry, now: float) -> bool:
+        return entry.in_use == 0 and now - entry.last_used > self.idle_ttl_s

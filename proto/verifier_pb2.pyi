@@ -1,0 +1,120 @@
+from proto import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class VerifierCreateSessionRequest(_message.Message):
+    __slots__ = ("prompt_token_ids",)
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class VerifierSessionInfo(_message.Message):
+    __slots__ = ("session_id", "num_tokens", "prefix_length", "pages_used", "pages_shared", "generating")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    PAGES_USED_FIELD_NUMBER: _ClassVar[int]
+    PAGES_SHARED_FIELD_NUMBER: _ClassVar[int]
+    GENERATING_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    num_tokens: int
+    prefix_length: int
+    pages_used: int
+    pages_shared: int
+    generating: bool
+    def __init__(self, session_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., prefix_length: _Optional[int] = ..., pages_used: _Optional[int] = ..., pages_shared: _Optional[int] = ..., generating: _Optional[bool] = ...) -> None: ...
+
+class VerifierCreateSessionReply(_message.Message):
+    __slots__ = ("session", "prefill_ms")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
+    session: VerifierSessionInfo
+    prefill_ms: float
+    def __init__(self, session: _Optional[_Union[VerifierSessionInfo, _Mapping]] = ..., prefill_ms: _Optional[float] = ...) -> None: ...
+
+class VerifierGenerateRequest(_message.Message):
+    __slots__ = ("session_id", "append_token_ids", "params", "keep_session")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    APPEND_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
+    KEEP_SESSION_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    append_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    params: _common_pb2.SamplingParams
+    keep_session: bool
+    def __init__(self, session_id: _Optional[str] = ..., append_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., keep_session: _Optional[bool] = ...) -> None: ...
+
+class VerifierGenerateStep(_message.Message):
+    __slots__ = ("step", "token_ids", "acceptance_length", "drafted_nodes", "finished", "stop_reason", "num_tokens", "timings")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTANCE_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    DRAFTED_NODES_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    STOP_REASON_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    acceptance_length: int
+    drafted_nodes: int
+    finished: bool
+    stop_reason: _common_pb2.StopReason
+    num_tokens: int
+    timings: _common_pb2.StepTimings
+    def __init__(self, step: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., acceptance_length: _Optional[int] = ..., drafted_nodes: _Optional[int] = ..., finished: _Optional[bool] = ..., stop_reason: _Optional[_Union[_common_pb2.StopReason, str]] = ..., num_tokens: _Optional[int] = ..., timings: _Optional[_Union[_common_pb2.StepTimings, _Mapping]] = ...) -> None: ...
+
+class VerifierForkSessionRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class VerifierReleaseSessionRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class VerifierReleaseSessionReply(_message.Message):
+    __slots__ = ("pages_freed",)
+    PAGES_FREED_FIELD_NUMBER: _ClassVar[int]
+    pages_freed: int
+    def __init__(self, pages_freed: _Optional[int] = ...) -> None: ...
+
+class VerifierGetSessionRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class VerifierInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class VerifierInfoReply(_message.Message):
+    __slots__ = ("model_name", "page_size", "kv_capacity_pages", "free_pages", "max_context", "vocab_size", "eos_token_ids", "active_sessions", "max_tree_nodes")
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    KV_CAPACITY_PAGES_FIELD_NUMBER: _ClassVar[int]
+    FREE_PAGES_FIELD_NUMBER: _ClassVar[int]
+    MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    MAX_TREE_NODES_FIELD_NUMBER: _ClassVar[int]
+    model_name: str
+    page_size: int
+    kv_capacity_pages: int
+    free_pages: int
+    max_context: int
+    vocab_size: int
+    eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    active_sessions: int
+    max_tree_nodes: int
+    def __init__(self, model_name: _Optional[str] = ..., page_size: _Optional[int] = ..., kv_capacity_pages: _Optional[int] = ..., free_pages: _Optional[int] = ..., max_context: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., active_sessions: _Optional[int] = ..., max_tree_nodes: _Optional[int] = ...) -> None: ...
