@@ -1,0 +1,27 @@
+"""Triton kernels for tree verification over paged KV; `reference` holds the plain-torch oracle.
+
+The kernel modules load lazily (PEP 562), so `from kernels import reference` needs no Triton and does
+not fix Triton's interpreter mode before a test module has chosen it.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "SplitConfig": "kernels.split_kv",
+    "commit_kv": "kernels.commit_kv",
+    "hybrid_verify_attention": "kernels.verify_attention",
+    "paged_decode_attention": "kernels.paged_decode",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'kernels' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value  # NOTE: replaces the same-named submodule that the import just bound here
+    return value

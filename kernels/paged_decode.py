@@ -1,0 +1,36 @@
+"""Paged decode attention: one query token per sequence, the same split-KV design as verify.
+
+A decode step is the verify problem with one query token, its own K/V already in the pages and no
+tree block, so it reuses both stages: `split_kv.prefix_partials` over the whole sequence, then the
+merge epilogue of `verify_attention` with the tree part compiled out.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.split_kv import SplitConfig, check_host_bounds, check_paged_kv, plan_splits, prefix_partials
+from kernels.verify_attention import merge_partials
+
+
+def paged_decode_attention(
+    q: torch.Tensor,  # [B, Hq, D]
+    k_pages: torch.Tensor,  # [num_pages, P, Hkv, D]
+    v_pages: torch.Tensor,  # [num_pages, P, Hkv, D]
+    block_tables: torch.Tensor,  # [B, max_pages] int32
+    seq_lens: torch.Tensor,  # [B] int32, counting the query token itself
+    sm_scale: float,
+    max_seq_len: int,
+    cfg: SplitConfig | None = None,
+) -> torch.Tensor:  # [B, Hq, D]
+    """Each query attends to its sequence's first `seq_lens[b]` positions; `max_seq_len` bounds them."""
+    cfg = cfg or SplitConfig()
+    check_paged_kv(q, k_pages, v_pages, block_tables, seq_lens)
+    check_host_bounds(sm_scale, max_seq_len)
+    if q.shape[0] != block_tables.shape[0]:
+        raise ValueError("paged decode takes one query token per sequence")
+    num_seqs, num_kv_heads = q.shape[0], k_pages.shape[2]
+    cu_q = torch.arange(num_seqs + 1, dtype=torch.int32, device=q.device)  # one token each
+    plan = plan_splits(num_seqs, num_kv_heads, q.shape[1] // num_kv_heads, max_seq_len, q.device, cfg)
+    part_o, part_lse = prefix_partials(q, k_pages, v_pages, block_tables, seq_lens, cu_q, sm_scale, plan, cfg)
+    return merge_partials(q, None, cu_q, seq_lens, part_o, part_lse, sm_scale, plan, num_kv_heads, 1)

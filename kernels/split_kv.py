@@ -1,0 +1,210 @@
+"""Flash-decoding over a paged KV prefix: the split-KV stage shared by verify and decode attention.
+
+One program owns one (sequence, KV head, query block, prefix chunk). Its query tile packs every query
+head of the KV group with every query token of the sequence (row m = token * GROUP + head in group), so
+each K/V byte of the chunk is read once for all of them instead of once per query head. A chunk is a
+whole number of KV blocks read page by page (each K/V row is HEAD_DIM contiguous elements: coalesced);
+the prefix is fully visible, so only the sequence's last partial block is masked. Each program writes a
+normalised partial output and its log2-sum-exp; `verify_attention.merge_partials` folds them together.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+@dataclass(frozen=True)
+class SplitConfig:
+    """Launch shape of the split-KV stage (tuned on an H200; see benchmarks/verify_attention.py)."""
+
+    block_m: int = 128  # cap on query rows (tokens x heads of a KV group) per tile
+    block_n: int = 64  # keys per inner step
+    num_warps: int = 8
+    num_stages: int = 3
+    programs_per_sm: int = 2  # the split count aims at this many resident programs per SM
+
+
+@dataclass(frozen=True)
+class SplitPlan:
+    """How one launch cuts the work: derived from host-side upper bounds only (no GPU sync)."""
+
+    block_m: int
+    num_m_blocks: int
+    num_splits: int
+    chunk_len: int  # prefix keys per split, a multiple of block_n
+
+
+@functools.cache
+def multiprocessor_count(device: torch.device) -> int:
+    """SMs of a CUDA device; a small stand-in for the CPU interpreter so tests still see several splits."""
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def plan_splits(
+    num_seqs: int, num_kv_heads: int, rows: int, max_prefix_len: int, device: torch.device, cfg: SplitConfig
+) -> SplitPlan:
+    """Pick the query block and split count so the grid fills the GPU without a ragged last wave.
+
+    `rows` bounds the query rows of one (sequence, KV head) tile: GROUP x max query tokens.
+    """
+    block_m = min(cfg.block_m, max(16, triton.next_power_of_2(rows)))
+    num_m_blocks = triton.cdiv(rows, block_m)
+    kv_blocks = triton.cdiv(max_prefix_len, cfg.block_n)
+    tiles = max(1, num_seqs * num_kv_heads * num_m_blocks)
+    slots = multiprocessor_count(device) * cfg.programs_per_sm
+    num_splits = max(1, min(kv_blocks, slots // tiles))
+    chunk_len = triton.cdiv(kv_blocks, num_splits) * cfg.block_n
+    if chunk_len == 0:  # no prefix at all: only the tree block
+        return SplitPlan(block_m, num_m_blocks, 0, cfg.block_n)
+    return SplitPlan(block_m, num_m_blocks, triton.cdiv(max_prefix_len, chunk_len), chunk_len)
+
+
+@triton.jit
+def _attend_kv_block(
+    q, acc, m_i, l_i,  # q: [BLOCK_M, D]; acc: [BLOCK_M, D] fp32; m_i, l_i: [BLOCK_M] (log2 domain)
+    k_base, v_base, table, start, kv_end, qk_scale, stride_page, stride_slot,
+    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr,
+):
+    """Online-softmax step over keys [start, start + BLOCK_N) of a paged sequence."""
+    offs = start + tl.arange(0, BLOCK_N)
+    dims = tl.arange(0, HEAD_DIM)
+    valid = offs < kv_end
+    page = tl.load(table + offs // PAGE_SIZE, mask=valid if MASKED else None,
+                   other=0 if MASKED else None).to(tl.int64)
+    rows = page * stride_page + (offs % PAGE_SIZE) * stride_slot  # [BLOCK_N]
+    k = tl.load(k_base + rows[:, None] + dims[None, :], mask=valid[:, None] if MASKED else None,
+                other=0.0 if MASKED else None)  # [BLOCK_N, D]
+    s = tl.dot(q, tl.trans(k)) * qk_scale  # [BLOCK_M, BLOCK_N]
+    if MASKED:
+        s = tl.where(valid[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    p = tl.math.exp2(s - m_new[:, None])
+    alpha = tl.math.exp2(m_i - m_new)
+    v = tl.load(v_base + rows[:, None] + dims[None, :], mask=valid[:, None] if MASKED else None,
+                other=0.0 if MASKED else None)  # [BLOCK_N, D]
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return acc, m_new, l_i * alpha + tl.sum(p, 1)
+
+
+@triton.jit
+def _prefix_partials_kernel(
+    q_ptr, k_pages_ptr, v_pages_ptr, block_tables_ptr, prefix_lens_ptr, cu_q_ptr,
+    part_o_ptr, part_lse_ptr,  # [S, N, Hq, D] fp32, [S, N, Hq] fp32
+    qk_scale, chunk_len,
+    stride_qn, stride_qh, stride_page, stride_slot, stride_kvh, stride_bt,
+    stride_ps, stride_pn, stride_ph, stride_ls, stride_ln,
+    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    m_block = tl.program_id(0)
+    split = tl.program_id(1)
+    seq = tl.program_id(2) // NUM_KV_HEADS
+    kv_head = tl.program_id(2) % NUM_KV_HEADS
+    q_start = tl.load(cu_q_ptr + seq)
+    num_rows = (tl.load(cu_q_ptr + seq + 1) - q_start) * GROUP
+    prefix_len = tl.load(prefix_lens_ptr + seq)
+    kv_start = split * chunk_len
+    if m_block * BLOCK_M >= num_rows or kv_start >= prefix_len:
+        return
+    kv_end = tl.minimum(kv_start + chunk_len, prefix_len)
+
+    rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    token = q_start + rows // GROUP  # [BLOCK_M]
+    head = kv_head * GROUP + rows % GROUP
+    row_ok = rows < num_rows
+    dims = tl.arange(0, HEAD_DIM)
+    q = tl.load(q_ptr + token[:, None] * stride_qn + head[:, None] * stride_qh + dims[None, :],
+                mask=row_ok[:, None], other=0.0)
+
+    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    k_base = k_pages_ptr + kv_head * stride_kvh
+    v_base = v_pages_ptr + kv_head * stride_kvh
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    full_end = kv_start + (kv_end - kv_start) // BLOCK_N * BLOCK_N
+    for start in range(kv_start, full_end, BLOCK_N):
+        acc, m_i, l_i = _attend_kv_block(q, acc, m_i, l_i, k_base, v_base, table, start, kv_end, qk_scale,
+                                         stride_page, stride_slot, PAGE_SIZE, BLOCK_N, HEAD_DIM, False)
+    for start in range(full_end, kv_end, BLOCK_N):  # the sequence's partial last block, if any
+        acc, m_i, l_i = _attend_kv_block(q, acc, m_i, l_i, k_base, v_base, table, start, kv_end, qk_scale,
+                                         stride_page, stride_slot, PAGE_SIZE, BLOCK_N, HEAD_DIM, True)
+
+    out_rows = split * stride_ps + token * stride_pn + head * stride_ph
+    tl.store(part_o_ptr + out_rows[:, None] + dims[None, :], acc / l_i[:, None], mask=row_ok[:, None])
+    lse_rows = split * stride_ls + token * stride_ln + head
+    tl.store(part_lse_ptr + lse_rows, m_i + tl.math.log2(l_i), mask=row_ok)
+
+
+def prefix_partials(
+    q: torch.Tensor,  # [N, Hq, D]
+    k_pages: torch.Tensor,  # [num_pages, P, Hkv, D]
+    v_pages: torch.Tensor,  # [num_pages, P, Hkv, D]
+    block_tables: torch.Tensor,  # [B, max_pages] int32
+    prefix_lens: torch.Tensor,  # [B] int32
+    cu_q: torch.Tensor,  # [B + 1] int32
+    sm_scale: float,
+    plan: SplitPlan,
+    cfg: SplitConfig,
+) -> tuple[torch.Tensor, torch.Tensor]:  # [S, N, Hq, D] fp32, [S, N, Hq] fp32
+    """Launch the split-KV stage; the caller has checked the inputs (see `check_paged_kv`)."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    page_size, num_kv_heads = k_pages.shape[1], k_pages.shape[2]
+    part_o = q.new_empty(plan.num_splits, num_tokens, num_q_heads, head_dim, dtype=torch.float32)
+    part_lse = q.new_empty(plan.num_splits, num_tokens, num_q_heads, dtype=torch.float32)
+    if plan.num_splits == 0 or num_tokens == 0:
+        return part_o, part_lse
+    grid = (plan.num_m_blocks, plan.num_splits, block_tables.shape[0] * num_kv_heads)
+    _prefix_partials_kernel[grid](
+        q, k_pages, v_pages, block_tables, prefix_lens, cu_q, part_o, part_lse,
+        sm_scale * LOG2E, plan.chunk_len,
+        q.stride(0), q.stride(1), k_pages.stride(0), k_pages.stride(1), k_pages.stride(2),
+        block_tables.stride(0), part_o.stride(0), part_o.stride(1), part_o.stride(2),
+        part_lse.stride(0), part_lse.stride(1),
+        NUM_KV_HEADS=num_kv_heads, GROUP=num_q_heads // num_kv_heads, HEAD_DIM=head_dim,
+        PAGE_SIZE=page_size, BLOCK_M=plan.block_m, BLOCK_N=cfg.block_n,
+        num_warps=cfg.num_warps if plan.block_m >= 64 else 4, num_stages=cfg.num_stages,
+    )
+    return part_o, part_lse
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+def check_paged_kv(
+    q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, block_tables: torch.Tensor,
+    lengths: torch.Tensor,
+) -> None:
+    """Shape, dtype and stride checks shared by the verify and decode wrappers (before any launch)."""
+    _require(q.dim() == 3 and k_pages.dim() == 4, "q must be [N, Hq, D] and pages [num_pages, P, Hkv, D]")
+    _require(k_pages.shape == v_pages.shape and k_pages.stride() == v_pages.stride(),
+             "k_pages and v_pages must share shape and strides")
+    _require(q.dtype in (torch.float16, torch.bfloat16, torch.float32), f"unsupported dtype {q.dtype}")
+    _require(k_pages.dtype == q.dtype and v_pages.dtype == q.dtype, "q and pages must share a dtype")
+    num_q_heads, head_dim = q.shape[1], q.shape[2]
+    page_size, num_kv_heads = k_pages.shape[1], k_pages.shape[2]
+    _require(k_pages.shape[3] == head_dim, "pages head_dim differs from q")
+    _require(head_dim in (16, 32, 64, 128, 256), f"head_dim {head_dim} not in 16..256 (power of two)")
+    _require(16 <= page_size <= 256 and page_size & (page_size - 1) == 0, f"page size {page_size} unsupported")
+    _require(num_q_heads % num_kv_heads == 0 and num_q_heads // num_kv_heads <= 16, "GQA group must be 1..16")
+    _require(q.stride(2) == 1 and k_pages.stride(3) == 1, "head_dim must be the contiguous axis")
+    _require(block_tables.dim() == 2 and block_tables.dtype == torch.int32, "block_tables must be [B, pages] int32")
+    _require(lengths.shape == (block_tables.shape[0],) and lengths.dtype == torch.int32, "lengths must be [B] int32")
+    _require(len({t.device for t in (q, k_pages, v_pages, block_tables, lengths)}) == 1, "tensors on one device")
+
+
+def check_host_bounds(sm_scale: float, *bounds: int) -> None:
+    """Host-side scalars: a NaN scale or a negative bound is a caller bug, caught before the launch."""
+    _require(math.isfinite(sm_scale) and all(b >= 0 for b in bounds), "scale must be finite, bounds >= 0")

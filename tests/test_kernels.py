@@ -1,0 +1,221 @@
+"""Triton kernels against the plain-torch oracle in kernels/reference.py.
+
+Without CUDA the kernels run in Triton's CPU interpreter (fp16/fp32, small shapes: the interpreter
+gives wrong bf16 dot products); with CUDA the `gpu` tests run bf16 at larger shapes.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"  # NOTE: read when a kernel is decorated, i.e. at import
+    # Another test module may have imported the kernel modules before this one set the flag.
+    for _name in ("kernels.split_kv", "kernels.verify_attention", "kernels.paged_decode", "kernels.commit_kv"):
+        if _name in sys.modules:
+            importlib.reload(sys.modules[_name])
+
+from kernels import SplitConfig, commit_kv, hybrid_verify_attention, paged_decode_attention  # noqa: E402
+from kernels.reference import (  # noqa: E402
+    commit_kv_reference,
+    gather_prefix,
+    pack_tree_mask,
+    verify_attention_reference,
+)
+
+GPU = torch.cuda.is_available()
+DEVICE = torch.device("cuda" if GPU else "cpu")
+needs_gpu = pytest.mark.skipif(not GPU, reason="needs a CUDA device")
+cpu_only = pytest.mark.skipif(GPU, reason="the interpreter cases run on CPU machines")
+# NOTE: the interpreter also computes the padding rows of a tile, where 0/0 is harmless and never stored.
+pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+TOL = {torch.float32: (1e-4, 1e-4), torch.float16: (3e-3, 1e-2), torch.bfloat16: (1.5e-2, 2e-2)}
+
+
+def random_tree_mask(size: int, gen: torch.Generator) -> torch.Tensor:
+    """`[size, size]` bool: each node sees itself and its ancestors; parent index < own index."""
+    mask = torch.eye(size, dtype=torch.bool)
+    for node in range(1, size):
+        parent = int(torch.randint(0, node, (1,), generator=gen))
+        mask[node] = mask[parent]
+        mask[node, node] = True
+    return mask
+
+
+def paged_kv(lens: list[int], page_size: int, hkv: int, d: int, dtype: torch.dtype, gen: torch.Generator):
+    """Pages in shuffled order, block tables padded with real (unused) page ids to catch over-reads."""
+    max_pages = max(1, max((n + page_size - 1) // page_size for n in lens)) + 1
+    num_pages = len(lens) * max_pages + 2
+    k_pages = torch.randn(num_pages, page_size, hkv, d, generator=gen).to(dtype)
+    v_pages = torch.randn(num_pages, page_size, hkv, d, generator=gen).to(dtype)
+    tables = torch.randperm(num_pages, generator=gen)[: len(lens) * max_pages].view(len(lens), max_pages)
+    return k_pages, v_pages, tables.to(torch.int32)
+
+
+def verify_case(lens: list[int], trees: list[int], hq: int, hkv: int, d: int, page_size: int,
+                dtype: torch.dtype, seed: int) -> dict:
+    """Arguments of `verify_attention_reference` for sessions with prefix `lens` and tree sizes `trees`."""
+    gen = torch.Generator().manual_seed(seed)
+    k_pages, v_pages, tables = paged_kv(lens, page_size, hkv, d, dtype, gen)
+    num_tokens = sum(trees)
+    qkv = torch.randn(num_tokens, hq + 2 * hkv, d, generator=gen).to(dtype)  # strided q, as from a qkv proj
+    words = max(1, (max(trees) + 31) // 32)
+    masks = [pack_tree_mask(random_tree_mask(t, gen)) for t in trees]
+    tree_mask = torch.cat([torch.nn.functional.pad(m, (0, words - m.shape[1])) for m in masks])
+    args = dict(
+        q=qkv[:, :hq], k_pages=k_pages, v_pages=v_pages, block_tables=tables,
+        prefix_lens=torch.tensor(lens, dtype=torch.int32), tree_k=qkv[:, hq:hq + hkv],
+        tree_v=qkv[:, hq + hkv:], cu_tree=torch.tensor([0, *torch.tensor(trees).cumsum(0).tolist()],
+                                                        dtype=torch.int32),
+        tree_mask=tree_mask, sm_scale=d**-0.5,
+    )
+    return {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in args.items()}
+
+
+def check_verify(case: dict, lens: list[int], trees: list[int], cfg: SplitConfig | None = None) -> None:
+    out = hybrid_verify_attention(**case, max_prefix_len=max(lens), max_tree_len=max(trees), cfg=cfg)
+    ref = verify_attention_reference(**case)
+    assert out.dtype == case["q"].dtype and out.shape == case["q"].shape
+    atol, rtol = TOL[out.dtype]
+    torch.testing.assert_close(out.float(), ref.float(), atol=atol, rtol=rtol)
+
+
+# lens, trees, (hq, hkv), d, page size, dtype, config
+CPU_VERIFY = [
+    ([37, 0, 100], [5, 3, 0], (8, 2), 32, 16, torch.float16, SplitConfig(block_n=16)),
+    ([200, 77], [7, 1], (4, 4), 64, 64, torch.float32, SplitConfig(block_n=16)),
+    ([130], [64], (8, 1), 32, 64, torch.float16, SplitConfig(block_m=64, block_n=32)),
+    ([45, 3], [200, 17], (4, 1), 16, 16, torch.float16, None),
+    ([0, 0], [7, 33], (2, 2), 16, 16, torch.float32, None),
+]
+
+
+@cpu_only
+@pytest.mark.parametrize("lens,trees,heads,d,page_size,dtype,cfg", CPU_VERIFY)
+def test_verify_attention_interpreter(lens, trees, heads, d, page_size, dtype, cfg):
+    check_verify(verify_case(lens, trees, *heads, d, page_size, dtype, seed=len(lens) + d), lens, trees, cfg)
+
+
+@cpu_only
+@pytest.mark.parametrize("seed", range(4))
+def test_verify_attention_random_interpreter(seed):
+    gen = torch.Generator().manual_seed(100 + seed)
+    pick = lambda options: options[int(torch.randint(len(options), (1,), generator=gen))]
+    num_seqs = 1 + seed % 3
+    lens = [int(torch.randint(0, 300, (1,), generator=gen)) for _ in range(num_seqs)]
+    trees = [pick([1, 7, 64, 200]) for _ in range(num_seqs)]
+    hkv, group = pick([1, 2]), pick([1, 4, 8])
+    dtype = pick([torch.float16, torch.float32])
+    case = verify_case(lens, trees, hkv * group, hkv, 16, pick([16, 64]), dtype, seed=seed)
+    check_verify(case, lens, trees, SplitConfig(block_n=pick([16, 64])))
+
+
+def check_decode(lens: list[int], hq: int, hkv: int, d: int, page_size: int, dtype: torch.dtype,
+                 cfg: SplitConfig | None = None) -> None:
+    gen = torch.Generator().manual_seed(sum(lens))
+    k_pages, v_pages, tables = paged_kv(lens, page_size, hkv, d, dtype, gen)
+    q = torch.randn(len(lens), hq, d, generator=gen).to(dtype)
+    k_pages, v_pages, tables, q = (t.to(DEVICE) for t in (k_pages, v_pages, tables, q))
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    out = paged_decode_attention(q, k_pages, v_pages, tables, seq_lens, d**-0.5, max(lens), cfg=cfg)
+    for b, n in enumerate(lens):
+        keys = gather_prefix(k_pages, tables[b], n).float().repeat_interleave(hq // hkv, dim=1)  # [n, Hq, D]
+        values = gather_prefix(v_pages, tables[b], n).float().repeat_interleave(hq // hkv, dim=1)
+        probs = (torch.einsum("hd,shd->hs", q[b].float(), keys) * d**-0.5).softmax(-1)
+        atol, rtol = TOL[dtype]
+        torch.testing.assert_close(out[b].float(), torch.einsum("hs,shd->hd", probs, values), atol=atol, rtol=rtol)
+
+
+@cpu_only
+@pytest.mark.parametrize("lens,heads,page_size,dtype", [
+    ([1, 70, 129], (8, 1), 16, torch.float16),
+    ([300, 5], (4, 4), 64, torch.float32),
+])
+def test_paged_decode_interpreter(lens, heads, page_size, dtype):
+    check_decode(lens, *heads, 32, page_size, dtype, SplitConfig(block_n=16))
+
+
+def check_commit(dtype: torch.dtype, layers: int = 3) -> None:
+    gen = torch.Generator().manual_seed(7)
+    pages = torch.randn(2, layers, 6, 16, 2, 32, generator=gen).to(dtype).to(DEVICE)
+    tree = torch.randn(2, layers, 9, 2, 32, generator=gen).to(dtype).to(DEVICE)
+    src = torch.tensor([0, 4, 5, 8], dtype=torch.int32, device=DEVICE)
+    dst = torch.tensor([3 * 16 + 15, 5 * 16, 5 * 16 + 1, 0], dtype=torch.int64, device=DEVICE)
+    expected = pages.clone()
+    commit_kv_reference(expected[0], expected[1], tree[0], tree[1], src, dst)
+    commit_kv(pages[0], pages[1], tree[0], tree[1], src, dst)
+    assert torch.equal(pages, expected)
+
+
+@cpu_only
+def test_commit_kv_interpreter():
+    check_commit(torch.float16)
+
+
+@cpu_only
+def test_wrappers_reject_bad_inputs():
+    case = verify_case([20], [3], 4, 2, 16, 16, torch.float16, seed=0)
+    with pytest.raises(ValueError, match="block_tables"):
+        hybrid_verify_attention(**{**case, "block_tables": case["block_tables"].long()}, max_prefix_len=20,
+                                max_tree_len=3)
+    with pytest.raises(ValueError, match="tree_mask"):
+        hybrid_verify_attention(**case, max_prefix_len=20, max_tree_len=40)
+    with pytest.raises(ValueError, match="dtype"):
+        hybrid_verify_attention(**{**case, "q": case["q"].float()}, max_prefix_len=20, max_tree_len=3)
+
+
+GPU_VERIFY = [
+    ([1000, 0, 4097, 333], [64, 7, 1, 200], (32, 8), 128, 64),
+    ([5000, 63], [200, 64], (16, 16), 64, 16),
+    ([2049, 17, 900], [7, 64, 1], (32, 4), 256, 16),
+    ([70000], [16], (32, 8), 128, 64),
+    ([0, 129], [33, 5], (8, 1), 128, 64),
+]
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("lens,trees,heads,d,page_size", GPU_VERIFY)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_verify_attention_gpu(lens, trees, heads, d, page_size, dtype):
+    check_verify(verify_case(lens, trees, *heads, d, page_size, dtype, seed=len(lens)), lens, trees)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("lens,heads,d,page_size", [
+    ([1, 4000, 70001, 129], (32, 8), 128, 64),
+    ([3000, 17], (16, 1), 256, 16),
+    ([513], (8, 8), 64, 256),
+])
+def test_paged_decode_gpu(lens, heads, d, page_size):
+    check_decode(lens, *heads, d, page_size, torch.bfloat16)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_commit_kv_gpu():
+    check_commit(torch.bfloat16, layers=36)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_verify_attention_cuda_graph():
+    """The wrapper must be capturable: no host sync, sizes from the host-side bounds only."""
+    lens, trees = [3000, 100], [16, 64]
+    case = verify_case(lens, trees, 32, 8, 128, 64, torch.bfloat16, seed=3)
+    run = lambda: hybrid_verify_attention(**case, max_prefix_len=4096, max_tree_len=64)
+    torch.cuda.synchronize()
+    run()  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run()
+    case["q"].normal_()
+    graph.replay()
+    atol, rtol = TOL[torch.bfloat16]
+    torch.testing.assert_close(out.float(), verify_attention_reference(**case).float(), atol=atol, rtol=rtol)
