@@ -1,0 +1,62 @@
+"""Helpers for engine tests: a tiny engine, plain decoding, and random draft trees."""
+
+from __future__ import annotations
+
+import random
+
+from modeling.tree import DraftTree
+from verifier_service.engine.config import EngineConfig
+from verifier_service.engine.engine import Engine, StepResult
+from verifier_service.engine.sampling import SamplingParams
+
+GREEDY = SamplingParams(max_new_tokens=40, ignore_eos=True)
+
+
+def make_engine(checkpoint, **overrides) -> Engine:
+    config = EngineConfig(**{"page_size": 16, "kv_budget_bytes": 4 << 20, "prefill_chunk": 24, **overrides})
+    return Engine.from_checkpoint(checkpoint, config)
+
+
+def run_to_end(engine: Engine, session_id: str, next_tree) -> tuple[list[int], list[StepResult]]:
+    """Step one session until it finishes; `next_tree(emitted_so_far)` supplies each draft."""
+    emitted: list[int] = []
+    results: list[StepResult] = []
+    while True:
+        (result,) = engine.step([(session_id, next_tree(emitted))])
+        emitted += result.emitted
+        results.append(result)
+        if result.finished:
+            return emitted, results
+
+
+def plain_generate(engine: Engine, prompt: list[int], params: SamplingParams = GREEDY) -> list[int]:
+    session, _ = engine.create_session(prompt)
+    engine.start_generation(session.session_id, params)
+    tokens, _ = run_to_end(engine, session.session_id, lambda _: DraftTree.empty())
+    engine.release_session(session.session_id)
+    return tokens
+
+
+def random_tree(rng: random.Random, budget: int, vocab: int, truth: list[int], shape: str) -> DraftTree:
+    """A random tree of `budget` nodes that may contain a prefix of the true continuation."""
+    planted = truth[: rng.randrange(0, min(len(truth), budget, 6) + 1)]
+    tokens, parents, depths = [], [], []
+
+    def add(token: int, parent: int) -> None:
+        tokens.append(token)
+        parents.append(parent)
+        depths.append(1 if parent < 0 else depths[parent] + 1)
+
+    previous = -1
+    for token in planted:  # the true path first, so its nodes come before their random siblings
+        add(token, previous)
+        previous = len(tokens) - 1
+    while len(tokens) < budget:
+        if shape == "chain":
+            parent = len(tokens) - 1
+        elif shape == "wide":
+            parent = -1
+        else:
+            parent = rng.randrange(-1, len(tokens))
+        add(rng.randrange(vocab), parent)
+    return DraftTree(tuple(tokens), tuple(parents), tuple(depths))

@@ -1,0 +1,228 @@
+"""Exactness of the verify/commit engine against plain greedy decoding, KV integrity, errors."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from kernels.reference import gather_prefix
+from modeling.tree import DraftTree, TreeError
+from tests.engine_helpers import GREEDY, make_engine, plain_generate, random_tree, run_to_end
+from verifier_service.engine.errors import CapacityError, InvalidRequest
+from verifier_service.engine.sampling import SamplingParams
+from verifier_service.engine.stopping import StopReason
+
+
+def prompt_of(length: int, seed: int = 1) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(256) for _ in range(length)]
+
+
+@pytest.mark.parametrize("page_size", [16, 64])
+def test_speculative_greedy_equals_plain_greedy(tiny_target, page_size: int) -> None:
+    engine = make_engine(tiny_target, page_size=page_size, max_tree_nodes=128)
+    rng = random.Random(page_size)
+    steps = 0
+    # prompts ending one before, at, and one after page boundaries, and spanning several pages
+    for length in (1, page_size - 1, page_size, page_size + 1, 2 * page_size + 3):
+        prompt = prompt_of(length, seed=length)
+        params = SamplingParams(max_new_tokens=70, ignore_eos=True)
+        expected = plain_generate(engine, prompt, params)
+        session, _ = engine.create_session(prompt)
+        engine.start_generation(session.session_id, params)
+        shapes = ["chain", "wide", "random"]
+
+        def next_tree(emitted: list[int]) -> DraftTree:
+            budget = rng.choice([1, 2, 5, 16, 40, 128])
+            return random_tree(rng, budget, 320, expected[len(emitted):], rng.choice(shapes))
+
+        got, results = run_to_end(engine, session.session_id, next_tree)
+        steps += len(results)
+        assert got == expected
+        assert any(r.acceptance_length > 1 for r in results)  # the planted paths were accepted
+        engine.release_session(session.session_id)
+    assert steps >= 100
+    assert engine.pool.num_free == engine.pool.num_pages  # nothing leaked
+
+
+def kv_of(engine, session) -> tuple[torch.Tensor, torch.Tensor]:
+    table = torch.tensor(session.block_table.pages)
+    return (torch.stack([gather_prefix(engine.kv.k[i], table, session.kv_len) for i in range(engine.kv.k.shape[0])]),
+            torch.stack([gather_prefix(engine.kv.v[i], table, session.kv_len) for i in range(engine.kv.v.shape[0])]))
+
+
+def test_pages_after_many_steps_equal_a_fresh_prefill(tiny_target) -> None:
+    engine = make_engine(tiny_target, max_tree_nodes=64)
+    rng = random.Random(3)
+    prompt = prompt_of(21)
+    expected = plain_generate(engine, prompt, SamplingParams(max_new_tokens=80, ignore_eos=True))
+    session, _ = engine.create_session(prompt)
+    engine.start_generation(session.session_id, SamplingParams(max_new_tokens=80, ignore_eos=True))
+    run_to_end(engine, session.session_id,
+               lambda out: random_tree(rng, rng.randrange(1, 64), 320, expected[len(out):], "random"))
+    fresh, _ = engine.create_session(list(session.tokens))
+    assert fresh.kv_len == session.kv_len == len(prompt) + 80 - 1
+    for stepped, prefilled in zip(kv_of(engine, session), kv_of(engine, fresh)):
+        torch.testing.assert_close(stepped, prefilled, atol=1e-5, rtol=1e-5)
+
+
+BAD_TREES = {
+    "parent not earlier": (DraftTree((5, 6), (-1, 1), (1, 2)), "parents\\[1\\]"),
+    "negative token": (DraftTree((5, -2), (-1, 0), (1, 2)), "tokens\\[1\\]"),
+    "token past vocab": (DraftTree((320,), (-1,), (1,)), "tokens\\[0\\]"),
+    "too many nodes": (DraftTree.chain(list(range(9))), "more than the maximum 8"),
+    "depth inconsistent": (DraftTree((5, 6), (-1, 0), (1, 3)), "depths\\[1\\]"),
+    "length mismatch": (DraftTree((5, 6), (-1,), (1, 2)), "parents"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_TREES))
+def test_bad_tree_is_rejected_and_session_survives(tiny_target, case: str) -> None:
+    engine = make_engine(tiny_target, max_tree_nodes=8)
+    prompt = prompt_of(19)
+    expected = plain_generate(engine, prompt)
+    session, _ = engine.create_session(prompt)
+    engine.start_generation(session.session_id, GREEDY)
+    engine.step([(session.session_id, DraftTree.empty())])
+    before = (list(session.tokens), list(session.block_table.pages), kv_of(engine, session), engine.pool.num_free)
+    tree, message = BAD_TREES[case]
+    with pytest.raises(TreeError, match=message):
+        engine.step([(session.session_id, tree)])
+    after = (session.tokens, session.block_table.pages, kv_of(engine, session), engine.pool.num_free)
+    assert before[0] == after[0] and before[1] == after[1] and before[3] == after[3]
+    assert all(torch.equal(a, b) for a, b in zip(before[2], after[2]))
+    got, _ = run_to_end(engine, session.session_id, lambda out: DraftTree.chain(expected[1 + len(out):][:4]))
+    assert expected[:1] + got == expected
+
+
+def test_prompt_over_capacity_is_refused_without_leaks(tiny_target) -> None:
+    engine = make_engine(tiny_target, kv_budget_bytes=8 * 16 * 2 * 4 * 2 * 16 * 4)  # 8 pages of 16 tokens
+    assert engine.pool.num_pages == 8
+    other, _ = engine.create_session(prompt_of(40))  # 3 pages
+    free = engine.pool.num_free
+    with pytest.raises(CapacityError, match="KV cache full"):
+        engine.create_session(prompt_of(100))  # 7 pages > 5 free
+    assert engine.pool.num_free == free and len(engine.sessions) == 1
+    with pytest.raises(CapacityError):
+        engine.extend_session(other.session_id, prompt_of(90))
+    assert other.kv_len == 39 and engine.pool.num_free == free
+    expected = plain_generate(make_engine(tiny_target), prompt_of(40))
+    engine.start_generation(other.session_id, GREEDY)
+    got, _ = run_to_end(engine, other.session_id, lambda _: DraftTree.empty())
+    assert got == expected
+
+
+def test_prompt_errors_name_the_field(tiny_target) -> None:
+    engine = make_engine(tiny_target, max_context=64)
+    with pytest.raises(InvalidRequest, match="prompt"):
+        engine.create_session([])
+    with pytest.raises(InvalidRequest, match="max_context"):
+        engine.create_session(prompt_of(65))
+    with pytest.raises(InvalidRequest, match="vocabulary"):
+        engine.create_session([1, 2, 999])
+    for bad, field in [(dict(temperature=-1.0), "temperature"), (dict(top_p=0.0), "top_p"),
+                       (dict(top_k=-3), "top_k"), (dict(max_new_tokens=0), "max_new_tokens")]:
+        session, _ = engine.create_session([1, 2, 3])
+        with pytest.raises(InvalidRequest, match=field):
+            engine.start_generation(session.session_id, SamplingParams(**bad))
+
+
+def test_generation_stops_at_max_context(tiny_target) -> None:
+    engine = make_engine(tiny_target, max_context=50)
+    session, _ = engine.create_session(prompt_of(45))
+    engine.start_generation(session.session_id, SamplingParams(max_new_tokens=100, ignore_eos=True))
+    got, results = run_to_end(engine, session.session_id, lambda _: DraftTree.chain([1] * 30))
+    assert len(session.tokens) == 50 and len(got) == 5 and results[-1].finished == StopReason.LENGTH
+
+
+def test_stop_token_and_stop_string_cut_the_output(tiny_target) -> None:
+    engine = make_engine(tiny_target)
+    prompt = prompt_of(30)
+    reference = plain_generate(engine, prompt)
+    stop_token = reference[7]
+    first = reference.index(stop_token)
+    params = SamplingParams(max_new_tokens=40, stop_token_ids=(stop_token,))
+    session, _ = engine.create_session(prompt)
+    engine.start_generation(session.session_id, params)
+    got, results = run_to_end(engine, session.session_id, lambda out: DraftTree.chain(reference[len(out):][:10]))
+    assert got == reference[: first + 1] and results[-1].finished == StopReason.STOP_TOKEN
+    assert session.tokens == prompt + got and session.kv_len == len(prompt) + len(got) - 1
+
+    text = engine.tokenizer.decode(reference)
+    stop = text[10:12]
+    params = SamplingParams(max_new_tokens=40, stop_strings=(stop,))
+    session, _ = engine.create_session(prompt)
+    engine.start_generation(session.session_id, params)
+    got, results = run_to_end(engine, session.session_id, lambda out: DraftTree.chain(reference[len(out):][:10]))
+    assert results[-1].finished == StopReason.STOP_STRING
+    assert stop in engine.tokenizer.decode(got) and stop not in engine.tokenizer.decode(got[:-1])
+    assert got == reference[: len(got)]
+
+
+def test_batched_step_equals_separate_sessions(tiny_target) -> None:
+    engine = make_engine(tiny_target)
+    prompts = [prompt_of(n, seed=n) for n in (3, 17, 33)]
+    expected = [plain_generate(engine, p) for p in prompts]
+    rng = random.Random(5)
+    sessions = [engine.create_session(p)[0].session_id for p in prompts]
+    outputs: dict[str, list[int]] = {sid: [] for sid in sessions}
+    for sid in sessions:
+        engine.start_generation(sid, GREEDY)
+    live = list(sessions)
+    while live:
+        work = [(sid, random_tree(rng, 12, 320, expected[sessions.index(sid)][len(outputs[sid]):], "random"))
+                for sid in live]
+        for result in engine.step(work):
+            outputs[result.session_id] += result.emitted
+            if result.finished:
+                live.remove(result.session_id)
+    assert [outputs[s] for s in sessions] == expected
+
+
+def test_fork_shares_pages_and_both_branches_continue_exactly(tiny_target) -> None:
+    engine = make_engine(tiny_target)
+    prompt = prompt_of(40)
+    base, _ = engine.create_session(prompt)
+    used = engine.pool.num_pages - engine.pool.num_free
+    fork = engine.fork_session(base.session_id)
+    assert engine.pool.num_pages - engine.pool.num_free == used  # nothing copied yet
+    turn_a, turn_b = [65, 66, 67], [120, 121]
+    engine.extend_session(base.session_id, turn_a)
+    engine.extend_session(fork.session_id, turn_b)
+    for session, turn in ((base, turn_a), (fork, turn_b)):
+        engine.start_generation(session.session_id, GREEDY)
+        got, _ = run_to_end(engine, session.session_id, lambda _: DraftTree.empty())
+        assert got == plain_generate(engine, prompt + turn)
+    engine.release_session(base.session_id)
+    engine.release_session(fork.session_id)
+    assert engine.pool.num_free == engine.pool.num_pages
+
+
+def test_multi_turn_equals_one_prompt(tiny_target) -> None:
+    engine = make_engine(tiny_target)
+    session, _ = engine.create_session(prompt_of(10))
+    history = list(session.tokens)
+    for turn in ([40, 41, 42], [50] * 20):
+        engine.start_generation(session.session_id, SamplingParams(max_new_tokens=7, ignore_eos=True))
+        got, _ = run_to_end(engine, session.session_id, lambda _: DraftTree.empty())
+        history += got
+        engine.extend_session(session.session_id, turn)
+        history += turn
+    engine.start_generation(session.session_id, GREEDY)
+    got, _ = run_to_end(engine, session.session_id, lambda _: DraftTree.empty())
+    assert got == plain_generate(engine, history)
+
+
+def test_step_returns_features_of_committed_tokens(tiny_target) -> None:
+    engine = make_engine(tiny_target, feature_layers=(1, 2))
+    prompt = prompt_of(30)
+    _, seed = engine.create_session(prompt, session_id="a", feature_tail=8)
+    assert seed.shape == (8, 2 * 64)
+    engine.start_generation("a", GREEDY)
+    expected = plain_generate(engine, prompt)
+    (result,) = engine.step([("a", DraftTree.chain(expected[:3]))])
+    assert result.committed == [prompt[-1], *expected[:3]] and result.features.shape == (4, 128)
+    _, whole = engine.create_session(prompt + expected[:4], feature_tail=4)
+    torch.testing.assert_close(result.features, whole, atol=1e-5, rtol=1e-5)
