@@ -32,11 +32,10 @@ def test_speculative_greedy_equals_plain_greedy(tiny_target, page_size: int) -> 
         expected = plain_generate(engine, prompt, params)
         session, _ = engine.create_session(prompt)
         engine.start_generation(session.session_id, params)
-        shapes = ["chain", "wide", "random"]
 
-        def next_tree(emitted: list[int]) -> DraftTree:
+        def next_tree(emitted: list[int], expected: list[int] = expected) -> DraftTree:
             budget = rng.choice([1, 2, 5, 16, 40, 128])
-            return random_tree(rng, budget, 320, expected[len(emitted):], rng.choice(shapes))
+            return random_tree(rng, budget, 320, expected[len(emitted):], rng.choice(["chain", "wide", "random"]))
 
         got, results = run_to_end(engine, session.session_id, next_tree)
         steps += len(results)
