@@ -56,6 +56,7 @@ class Engine:
         self.scratch = TreeScratch(self.model_config, config.max_batch_tokens, dtype, device)
         self.backend = make_backend(config.attention)
         self.sm_scale = self.model_config.head_dim ** -0.5
+        self.feature_layers = config.feature_layers  # NOTE: set by the service once a drafter says which
         self.sessions: dict[str, Session] = {}
 
     @staticmethod
@@ -161,7 +162,7 @@ class Engine:
     @torch.inference_mode()
     def _forward(self, batch: VerifyBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
         attend = PagedVerifyAttention(self.backend, self.kv, self.scratch, batch, self.sm_scale)
-        return self.model(batch.input_ids, batch.positions, attend, self.config.feature_layers)
+        return self.model(batch.input_ids, batch.positions, attend, self.feature_layers)
 
     def _check_tree(self, session: Session, tree: DraftTree) -> DraftTree:
         tree.validate(self.model_config.vocab_size, self.config.max_tree_nodes)

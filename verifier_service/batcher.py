@@ -1,0 +1,72 @@
+"""Batches the verify steps of concurrent sessions: whatever is queued while a step runs goes into
+the next one, so sessions ready at the same time share one forward."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+from modeling.tree import DraftTree
+from verifier_service.engine.engine import Engine, StepResult
+from verifier_service.worker import EngineWorker
+
+
+@dataclass
+class _Pending:
+    session_id: str
+    tree: DraftTree
+    future: asyncio.Future
+
+
+class StepBatcher:
+    def __init__(self, engine: Engine, worker: EngineWorker):
+        self.engine, self.worker = engine, worker
+        self.queue: list[_Pending] = []
+        self.wakeup = asyncio.Event()
+        self.task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self.task = asyncio.create_task(self._run(), name="step-batcher")
+
+    async def stop(self) -> None:
+        if self.task:
+            self.task.cancel()
+            await asyncio.gather(self.task, return_exceptions=True)
+
+    async def submit(self, session_id: str, tree: DraftTree) -> StepResult:
+        pending = _Pending(session_id, tree, asyncio.get_running_loop().create_future())
+        self.queue.append(pending)
+        self.wakeup.set()
+        try:
+            return await asyncio.shield(pending.future)
+        except asyncio.CancelledError:
+            # NOTE: a cancelled caller must not leave a step for a session it is about to release:
+            # either take it out of the queue or wait until the running step has finished with it.
+            if pending in self.queue:
+                self.queue.remove(pending)
+            else:
+                await asyncio.gather(pending.future, return_exceptions=True)
+            raise
+
+    async def _run(self) -> None:
+        while True:
+            await self.wakeup.wait()
+            self.wakeup.clear()
+            batch, self.queue = self.queue, []
+            if batch:
+                await self._step(batch)
+
+    async def _step(self, batch: list[_Pending]) -> None:
+        try:
+            results = await self.worker.call(self.engine.step, [(p.session_id, p.tree) for p in batch])
+        except Exception as error:  # noqa: BLE001 - handed to the waiting caller
+            if len(batch) == 1:
+                batch[0].future.set_exception(error)
+                return
+            # NOTE: the engine validates and reserves pages before it runs anything, so a failed batch
+            # changed nothing; stepping the sessions one by one isolates the one at fault.
+            for pending in batch:
+                await self._step([pending])
+            return
+        for pending, result in zip(batch, results):
+            pending.future.set_result(result)

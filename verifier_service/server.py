@@ -1,0 +1,99 @@
+"""Starts the verifier: engine + drafter connections + gRPC (health, reflection) + metrics."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from proto import verifier_pb2, verifier_pb2_grpc
+from verifier_service.drafter_pool import DrafterPool
+from verifier_service.engine.config import EngineConfig
+from verifier_service.engine.engine import Engine
+from verifier_service.metrics import VerifierMetrics
+from verifier_service.service import VerifierService
+from verifier_service.servicer import VerifierServicer
+
+SERVICE_NAME = verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name
+MAX_MESSAGE_BYTES = 64 << 20
+
+
+def grpc_server_options(max_connection_age_s: float = 30.0) -> list[tuple[str, int]]:
+    return [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_connection_age_ms", int(max_connection_age_s * 1000)),
+            ("grpc.max_connection_age_grace_ms", 10_000)]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ddtree-verifier", description="the verifier service")
+    parser.add_argument("--target", required=True, help="HF checkpoint directory of the target model")
+    parser.add_argument("--listen", default="127.0.0.1:50051")
+    parser.add_argument("--drafters", default="", help="host:port,... or dns:///name:port; empty = no speculation")
+    parser.add_argument("--tree-budget", type=int, default=15)
+    parser.add_argument("--draft-timeout-s", type=float, default=2.0)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default=None, help="float32 | float16 | bfloat16 (default: checkpoint's)")
+    parser.add_argument("--attention", default="torch", choices=["torch", "triton"])
+    parser.add_argument("--page-size", type=int, default=64)
+    parser.add_argument("--kv-budget-mb", type=int, default=256)
+    parser.add_argument("--max-tree-nodes", type=int, default=255)
+    parser.add_argument("--max-context", type=int, default=None)
+    parser.add_argument("--prefill-chunk", type=int, default=512)
+    parser.add_argument("--metrics-port", type=int, default=0, help="Prometheus port; 0 = off")
+    return parser
+
+
+def engine_config(args: argparse.Namespace, checkpoint_dtype: str) -> EngineConfig:
+    return EngineConfig(page_size=args.page_size, kv_budget_bytes=args.kv_budget_mb << 20,
+                        max_tree_nodes=args.max_tree_nodes, prefill_chunk=args.prefill_chunk,
+                        max_batch_tokens=max(2048, args.prefill_chunk), max_context=args.max_context,
+                        dtype=args.dtype or checkpoint_dtype, device=args.device, attention=args.attention)
+
+
+async def serve(args: argparse.Namespace, ready: asyncio.Event | None = None) -> None:
+    from modeling.config import ModelConfig
+
+    engine = Engine.from_checkpoint(args.target, engine_config(args, ModelConfig.from_dir(args.target).torch_dtype))
+    metrics = VerifierMetrics()
+    drafters = DrafterPool(args.drafters, metrics, timeout_s=args.draft_timeout_s) if args.drafters else None
+    service = VerifierService(engine, drafters, metrics, tree_budget=args.tree_budget)
+
+    server = grpc.aio.server(options=grpc_server_options())
+    verifier_pb2_grpc.add_VerifierServicer_to_server(VerifierServicer(service, Path(args.target).name), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection([SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    port = server.add_insecure_port(args.listen)
+    if args.metrics_port:
+        metrics.serve(args.metrics_port)
+    await service.start()
+    await server.start()
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    logging.info("verifier listening on port %d", port)
+    if ready is not None:
+        ready.set()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await health_servicer.enter_graceful_shutdown()
+    await server.stop(grace=2.0)
+    await service.stop()
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s verifier %(levelname)s %(message)s")
+    asyncio.run(serve(build_parser().parse_args(argv)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,174 @@
+"""The verifier's domain behind gRPC: session operations and the generation loop
+(draft -> verify in a shared batch -> stream the step), with the engine on its own thread."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from modeling.tree import DraftTree, TreeError
+from verifier_service.batcher import StepBatcher
+from verifier_service.drafter_pool import DrafterPool
+from verifier_service.engine.engine import Engine, StepResult
+from verifier_service.engine.errors import InvalidRequest
+from verifier_service.engine.sampling import SamplingParams
+from verifier_service.engine.session import Session
+from verifier_service.metrics import VerifierMetrics
+from verifier_service.worker import EngineWorker
+
+
+class SessionBusy(RuntimeError):
+    """The session already has a generation running (FAILED_PRECONDITION)."""
+
+
+@dataclass(frozen=True)
+class StepEvent:
+    step: int
+    result: StepResult
+    drafted_nodes: int
+    draft_wait_s: float
+    verify_s: float
+
+
+class VerifierService:
+    def __init__(self, engine: Engine, drafters: DrafterPool | None, metrics: VerifierMetrics,
+                 tree_budget: int = 15):
+        self.engine, self.drafters, self.metrics, self.tree_budget = engine, drafters, metrics, tree_budget
+        self.worker = EngineWorker()
+        self.batcher = StepBatcher(engine, self.worker)
+        self.generating: set[str] = set()
+        if drafters is not None:
+            drafters.on_info = self._use_drafter_features
+
+    def _use_drafter_features(self, info) -> None:
+        self.engine.feature_layers = tuple(info.target_layer_ids)
+
+    async def start(self) -> None:
+        self.batcher.start()
+        if self.drafters is not None:
+            await self.drafters.refresh()
+            self.drafters.start()
+
+    async def stop(self) -> None:
+        await self.batcher.stop()
+        if self.drafters is not None:
+            await self.drafters.stop()
+        self.worker.shutdown()
+
+    def _update_gauges(self) -> None:
+        pool = self.engine.pool
+        self.metrics.kv_pages_free.set(pool.num_free)
+        self.metrics.kv_pages_used.set(pool.num_pages - pool.num_free)
+        self.metrics.sessions.set(len(self.engine.sessions))
+
+    # ---- session operations --------------------------------------------------------------------------
+
+    def _feature_tail(self) -> int:
+        """How many recent tokens' features a drafter needs (0 when it uses none)."""
+        if not self.engine.feature_layers:
+            return 0
+        return (self.drafters.window if self.drafters else None) or self.engine.max_context
+
+    async def create_session(self, prompt: list[int]) -> Session:
+        session, features = await self.worker.call(self.engine.create_session, prompt,
+                                                    feature_tail=self._feature_tail())
+        if self.drafters is not None:
+            self.drafters.attach(session.session_id, lambda: session.tokens[:-1], features)
+        self._update_gauges()
+        return session
+
+    def session(self, session_id: str) -> Session:
+        return self.engine.session(session_id)
+
+    async def fork_session(self, session_id: str) -> Session:
+        self._check_idle(session_id)
+        fork = await self.worker.call(self.engine.fork_session, session_id)
+        if self.drafters is not None:
+            features = self.drafters.sessions[session_id].features
+            self.drafters.attach(fork.session_id, lambda: fork.tokens[:-1], features)
+        self._update_gauges()
+        return fork
+
+    async def release_session(self, session_id: str) -> int:
+        self._check_idle(session_id)
+        self.engine.session(session_id)
+        free_before = self.engine.pool.num_free
+        await self._release(session_id)
+        return self.engine.pool.num_free - free_before
+
+    async def _release(self, session_id: str) -> None:
+        if self.drafters is not None:
+            self.drafters.detach(session_id)
+        await self.worker.call(self.engine.release_session, session_id)
+        self._update_gauges()
+
+    def _check_idle(self, session_id: str) -> None:
+        if session_id in self.generating:
+            raise SessionBusy(f"session {session_id!r} is generating")
+
+    # ---- generation ------------------------------------------------------------------------------------
+
+    async def generate(self, session_id: str, append: list[int], params: SamplingParams,
+                       keep_session: bool) -> AsyncIterator[StepEvent]:
+        """Steps until a stop; on cancellation or error the session is kept or released as asked.
+        NOTE: appended tokens stay in the session even if generation fails afterwards."""
+        self._check_idle(session_id)
+        session = self.engine.session(session_id)
+        self.generating.add(session_id)
+        try:
+            params.validate()
+            if append:
+                features = await self.worker.call(self.engine.extend_session, session_id, append,
+                                                  self._feature_tail())
+                if self.drafters is not None:
+                    self.drafters.add_features(session_id, features)
+            await self.worker.call(self.engine.start_generation, session_id, params)
+            async for event in self._steps(session):
+                yield event
+        finally:
+            self.generating.discard(session_id)
+            if self.drafters is not None:
+                self.drafters.close_mirror(session_id)
+            if not keep_session:
+                await self._release(session_id)
+            self._update_gauges()
+
+    async def _steps(self, session: Session) -> AsyncIterator[StepEvent]:
+        committed, features, position = [], None, session.kv_len
+        for step in range(1 << 62):
+            started = time.perf_counter()
+            tree = await self._draft(session, step, committed, features, position)
+            drafted = time.perf_counter()
+            result = await self.batcher.submit(session.session_id, tree)
+            verified = time.perf_counter()
+            self._count(result, len(tree), verified - drafted)
+            yield StepEvent(step, result, len(tree), drafted - started, verified - drafted)
+            if result.finished:
+                return
+            committed, features, position = result.committed, result.features, result.commit_start
+
+    async def _draft(self, session: Session, step: int, committed: list[int], features, position: int) -> DraftTree:
+        if self.drafters is None:
+            return DraftTree.empty()
+        tree = await self.drafters.draft(session.session_id, step, committed, features, session.root, position,
+                                         self.tree_budget)
+        if tree is None:
+            self.metrics.draft_misses.inc()
+            return DraftTree.empty()
+        try:
+            tree.validate(self.engine.model_config.vocab_size, self.engine.config.max_tree_nodes)
+        except TreeError:
+            self.metrics.bad_trees.inc()  # NOTE: a bad tree costs one step of speculation, nothing more
+            return DraftTree.empty()
+        return tree
+
+    def _count(self, result: StepResult, drafted: int, verify_s: float) -> None:
+        self.metrics.steps.inc()
+        self.metrics.drafted.inc(drafted)
+        self.metrics.accepted.inc(len(result.accepted))
+        self.metrics.acceptance.observe(result.acceptance_length)
+        self.metrics.step_seconds.observe(verify_s)
+
+
+__all__ = ["InvalidRequest", "SessionBusy", "StepEvent", "VerifierService"]

@@ -1,0 +1,140 @@
+"""The Verifier gRPC servicer: proto in, one domain call, proto out; errors mapped in one place."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import time
+from collections.abc import Callable
+
+import grpc
+
+from modeling.tree import TreeError
+from proto import common_pb2, verifier_pb2, verifier_pb2_grpc
+from verifier_service.engine.errors import CapacityError, InvalidRequest
+from verifier_service.engine.sampling import SamplingParams
+from verifier_service.engine.session import Session
+from verifier_service.engine.stopping import StopReason
+from verifier_service.service import SessionBusy, StepEvent, VerifierService
+
+DEFAULT_MAX_NEW_TOKENS = 256
+
+STATUS_OF = (
+    (SessionBusy, grpc.StatusCode.FAILED_PRECONDITION),
+    (CapacityError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    ((InvalidRequest, TreeError, ValueError), grpc.StatusCode.INVALID_ARGUMENT),
+    (KeyError, grpc.StatusCode.NOT_FOUND),
+)
+
+STOP_REASONS = {
+    StopReason.LENGTH: common_pb2.STOP_REASON_LENGTH,
+    StopReason.STOP_TOKEN: common_pb2.STOP_REASON_STOP_TOKEN,
+    StopReason.STOP_STRING: common_pb2.STOP_REASON_STOP_STRING,
+}
+
+
+def _status(error: Exception) -> grpc.StatusCode:
+    for kinds, code in STATUS_OF:
+        if isinstance(error, kinds):
+            return code
+    return grpc.StatusCode.INTERNAL
+
+
+def _message(error: Exception) -> str:
+    return error.args[0] if isinstance(error, KeyError) and error.args else str(error)
+
+
+def maps_errors(method: Callable) -> Callable:
+    """Domain exceptions -> status codes, for unary and server-streaming handlers alike."""
+    if inspect.isasyncgenfunction(method):
+        @functools.wraps(method)
+        async def stream(self, request, context):
+            try:
+                async for reply in method(self, request, context):
+                    yield reply
+            except Exception as error:  # noqa: BLE001 - the one place errors become statuses
+                await context.abort(_status(error), _message(error))
+        return stream
+
+    @functools.wraps(method)
+    async def unary(self, request, context):
+        try:
+            return await method(self, request, context)
+        except Exception as error:  # noqa: BLE001
+            await context.abort(_status(error), _message(error))
+    return unary
+
+
+def params_from_pb(params: common_pb2.SamplingParams) -> SamplingParams:
+    return SamplingParams(
+        temperature=params.temperature,
+        top_k=params.top_k,
+        top_p=params.top_p or 1.0,
+        seed=params.seed if params.HasField("seed") else None,
+        max_new_tokens=params.max_new_tokens or DEFAULT_MAX_NEW_TOKENS,
+        stop_token_ids=tuple(params.stop_token_ids),
+        stop_strings=tuple(params.stop_strings),
+        ignore_eos=params.ignore_eos,
+    )
+
+
+class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
+    def __init__(self, service: VerifierService, model_name: str):
+        self.service, self.model_name = service, model_name
+
+    def _session_pb(self, session: Session) -> verifier_pb2.VerifierSessionInfo:
+        pool = self.service.engine.pool
+        return verifier_pb2.VerifierSessionInfo(
+            session_id=session.session_id, num_tokens=len(session.tokens), prefix_length=session.kv_len,
+            pages_used=len(session.block_table.pages),
+            pages_shared=sum(pool.is_shared(p) for p in session.block_table.pages),
+            generating=session.session_id in self.service.generating)
+
+    @maps_errors
+    async def CreateSession(self, request, context):
+        started = time.perf_counter()
+        session = await self.service.create_session(list(request.prompt_token_ids))
+        return verifier_pb2.VerifierCreateSessionReply(session=self._session_pb(session),
+                                                       prefill_ms=(time.perf_counter() - started) * 1e3)
+
+    @maps_errors
+    async def Generate(self, request, context):
+        params = params_from_pb(request.params)
+        events = self.service.generate(request.session_id, list(request.append_token_ids), params,
+                                       request.keep_session)
+        async for event in events:
+            yield self._step_pb(event)
+
+    def _step_pb(self, event: StepEvent) -> verifier_pb2.VerifierGenerateStep:
+        result = event.result
+        session = self.service.engine.sessions.get(result.session_id)
+        return verifier_pb2.VerifierGenerateStep(
+            step=event.step, token_ids=result.emitted,
+            acceptance_length=result.acceptance_length, drafted_nodes=event.drafted_nodes,
+            finished=result.finished is not None,
+            stop_reason=STOP_REASONS.get(result.finished, common_pb2.STOP_REASON_UNSPECIFIED),
+            num_tokens=len(session.tokens) if session else 0,
+            timings=common_pb2.StepTimings(draft_wait_ms=event.draft_wait_s * 1e3, verify_ms=event.verify_s * 1e3))
+
+    @maps_errors
+    async def ForkSession(self, request, context):
+        return self._session_pb(await self.service.fork_session(request.session_id))
+
+    @maps_errors
+    async def ReleaseSession(self, request, context):
+        return verifier_pb2.VerifierReleaseSessionReply(pages_freed=await self.service.release_session(
+            request.session_id))
+
+    @maps_errors
+    async def GetSession(self, request, context):
+        return self._session_pb(self.service.session(request.session_id))
+
+    @maps_errors
+    async def Info(self, request, context):
+        engine = self.service.engine
+        return verifier_pb2.VerifierInfoReply(
+            model_name=self.model_name, page_size=engine.config.page_size,
+            kv_capacity_pages=engine.pool.num_pages, free_pages=engine.pool.num_free,
+            max_context=engine.max_context, vocab_size=engine.model_config.vocab_size,
+            eos_token_ids=list(engine.model_config.eos_token_ids), active_sessions=len(engine.sessions),
+            max_tree_nodes=engine.config.max_tree_nodes)
