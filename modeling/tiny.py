@@ -9,10 +9,11 @@ import json
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from modeling.checkpoint import save_sharded
-from modeling.config import ModelConfig
+from modeling.config import ModelConfig, read_config_json
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>")
 EOS_TOKEN = "<|endoftext|>"
@@ -66,16 +67,15 @@ def random_weights(config: ModelConfig, seed: int, std: float = 0.02) -> dict[st
 
     with torch.device("meta"):
         shapes = {name: p.shape for name, p in CausalLM(config).named_parameters()}
+    if config.tie_word_embeddings:
+        del shapes["lm_head.weight"]
+    return _random_tensors(shapes, seed, std)
+
+
+def _random_tensors(shapes: dict[str, torch.Size], seed: int, std: float) -> dict[str, torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for name, shape in shapes.items():
-        if name == "lm_head.weight" and config.tie_word_embeddings:
-            continue
-        if name.endswith("norm.weight"):
-            tensors[name] = torch.ones(shape)
-        else:
-            tensors[name] = torch.randn(shape, generator=generator) * std
-    return tensors
+    return {name: torch.ones(shape) if name.endswith("norm.weight") else torch.randn(shape, generator=generator) * std
+            for name, shape in shapes.items()}
 
 
 def make_tiny_target(path: str | Path, seed: int = 0) -> Path:
@@ -89,4 +89,43 @@ def make_tiny_target(path: str | Path, seed: int = 0) -> Path:
     save_sharded(tensors, path, max_shard_bytes=total // 2 + 1)
     byte_level_tokenizer().save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": EOS_TOKEN, "model_max_length": 8192}))
+    return path
+
+
+def tiny_drafter_config(target: dict, mask_token_id: int) -> dict:
+    """A two-layer DFlash drafter config for a tiny target, shaped like the published ones (all layers full
+    attention); the hidden size must be the target's, whose embedding the drafter uses."""
+    return {
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        "block_size": 8,
+        "num_target_layers": target["num_hidden_layers"],
+        "dflash_config": {"mask_token_id": mask_token_id, "target_layer_ids": [1, target["num_hidden_layers"] - 2]},
+        **{key: target[key] for key in ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads",
+                                        "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta",
+                                        "max_position_embeddings", "torch_dtype")},
+        "num_hidden_layers": 2,
+        "layer_types": ["full_attention", "full_attention"],
+        "sliding_window": None,
+        "attention_bias": False,
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+    }
+
+
+def make_tiny_drafter(path: str | Path, target_dir: str | Path, seed: int = 1) -> Path:
+    """Write a random DFlash drafter for the tiny target at `target_dir`: config.json + model.safetensors
+    (drafter tensors only: the embedding and LM head are the target's)."""
+    from modeling.dflash import TARGET_TENSORS, DFlashConfig, DFlashModel
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    target = read_config_json(target_dir)
+    mask_token_id = Tokenizer.from_file(str(Path(target_dir) / "tokenizer.json")).token_to_id(MASK_TOKEN)
+    raw = tiny_drafter_config(target, mask_token_id)
+    (path / "config.json").write_text(json.dumps(raw, indent=2))
+    with torch.device("meta"):
+        model = DFlashModel(DFlashConfig.from_hf(raw), target["vocab_size"])
+    shapes = {name: p.shape for name, p in model.named_parameters() if name not in TARGET_TENSORS}
+    save_file(_random_tensors(shapes, seed, std=0.02), str(path / "model.safetensors"), metadata={"format": "pt"})
     return path

@@ -1,0 +1,256 @@
+"""The DFlash block-diffusion drafter (Chen et al., arXiv 2602.06036) over the published checkpoint format.
+
+One forward drafts a whole block: the input is `[root, MASK x (B-1)]` at positions n..n+B-1, where n is
+the number of committed context tokens, and block position d yields the distribution of depth d.
+The drafter sees the context only through K/V injected into every layer: a context token's feature is
+`hidden_norm(fc(concat of the target's hidden states after target_layer_ids))`, and each layer turns
+those features into K/V with its own k_proj/v_proj (k_norm on K, RoPE at the token's position).
+
+Semantics, as in the reference implementation (z-lab/dflash `dflash/model.py`) and SGLang's port:
+- context features do NOT pass through the layer's input_layernorm; the block hidden does.
+- Q comes from the block only; K/V from [context features ; normed block hidden].
+- full-attention layers are non-causal: block queries see all context and the whole block.
+- sliding-attention layers use HF's window, which includes the query itself: a key at position k is
+  visible to the query at q iff q - k < sliding_window; they are causal inside the block (both
+  references' default), unless the config's `is_causal` says otherwise for every layer.
+- the serving-time context window W (not in the checkpoint) hides context positions < n - W in every layer.
+Not supported: DFlash2 extras (convolutions, candidate selector), `output_multiplier`, logit softcapping,
+`input_embedding_scale` (published DFlash checkpoints do not use them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from modeling.checkpoint import iter_tensors
+from modeling.config import ModelConfig, parse_dtype, read_config_json
+from modeling.layers import DecoderLayer, RMSNorm
+from modeling.rope import RotaryEmbedding
+
+ARCHITECTURE = "DFlashDraftModel"
+SLIDING = "sliding_attention"
+FULL = "full_attention"
+KeyValue = tuple[torch.Tensor, torch.Tensor]
+# Drafter parameter -> the target checkpoint tensor it is read from (the drafter has neither).
+TARGET_TENSORS = {"embed_tokens.weight": "model.embed_tokens.weight", "lm_head.weight": "lm_head.weight"}
+
+
+def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
+    """The reference's choice when `target_layer_ids` is absent: the middle layer for a one-layer drafter,
+    else K layers evenly spaced from 1 to L - 3 (Python's round, as the reference)."""
+    if num_draft_layers == 1:
+        return (num_target_layers // 2,)
+    span = num_target_layers - 4
+    return tuple(round(1 + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers))
+
+
+@dataclass(frozen=True)
+class DFlashConfig:
+    model: ModelConfig  # the Qwen3 fields of the drafter's layers
+    block_size: int
+    num_target_layers: int
+    mask_token_id: int
+    target_layer_ids: tuple[int, ...]
+    layer_types: tuple[str, ...]
+    sliding_window: int | None = None
+    is_causal: bool | None = None  # None: the reference default (sliding layers causal, full layers not)
+
+    @property
+    def feature_dim(self) -> int:
+        """F: width of one token's target features. The drafter embeds with the target's embedding, so the
+        target hidden size is the drafter's."""
+        return len(self.target_layer_ids) * self.model.hidden_size
+
+    def layer_window(self, layer: int) -> int | None:
+        return self.sliding_window if self.layer_types[layer] == SLIDING else None
+
+    def layer_causal(self, layer: int) -> bool:
+        return self.layer_types[layer] == SLIDING if self.is_causal is None else self.is_causal
+
+    def visible_context(self, layer: int, context_window: int | None) -> int | None:
+        """The most context positions any block query of `layer` can see (None = all): the root at n sees
+        n - k < window, i.e. the last window - 1 context positions, and never more than W."""
+        window = self.layer_window(layer)
+        limits = [] if context_window is None else [context_window]
+        if window is not None:
+            limits.append(window - 1)
+        return min(limits, default=None)
+
+    @staticmethod
+    def from_hf(raw: dict) -> DFlashConfig:
+        arch = (raw.get("architectures") or [None])[0]
+        if arch != ARCHITECTURE:
+            raise ValueError(f"architectures[0] = {arch!r}; a DFlash drafter has {ARCHITECTURE!r}")
+        dflash = raw.get("dflash_config") or {}
+        model = dataclasses.replace(ModelConfig.from_hf({**raw, "architectures": ["Qwen3ForCausalLM"]}),
+                                    architecture=ARCHITECTURE)
+        num_target_layers = dflash.get("num_target_layers", raw.get("num_target_layers"))
+        mask_token_id = dflash.get("mask_token_id", raw.get("mask_token_id"))
+        if num_target_layers is None or mask_token_id is None:
+            raise ValueError("a DFlash config needs num_target_layers and dflash_config.mask_token_id")
+        layer_ids = dflash.get("target_layer_ids", raw.get("target_layer_ids"))
+        if layer_ids is None:
+            layer_ids = default_target_layer_ids(num_target_layers, model.num_layers)
+        if any(not 0 <= i < num_target_layers for i in layer_ids):
+            raise ValueError(f"target_layer_ids {list(layer_ids)} out of range for {num_target_layers} layers")
+        layer_types = tuple(raw.get("layer_types") or [FULL] * model.num_layers)
+        if len(layer_types) != model.num_layers or not set(layer_types) <= {FULL, SLIDING}:
+            raise ValueError(f"layer_types must name {FULL!r} or {SLIDING!r} once per layer, got {layer_types}")
+        sliding_window = raw.get("sliding_window")
+        if SLIDING in layer_types and not sliding_window:
+            raise ValueError("sliding_attention layers need a positive sliding_window")
+        return DFlashConfig(
+            model=model,
+            block_size=int(dflash.get("block_size", raw.get("block_size", 16))),
+            num_target_layers=int(num_target_layers),
+            mask_token_id=int(mask_token_id),
+            target_layer_ids=tuple(int(i) for i in layer_ids),
+            layer_types=layer_types,
+            sliding_window=int(sliding_window) if SLIDING in layer_types else None,
+            is_causal=raw.get("is_causal"),
+        )
+
+    @staticmethod
+    def from_dir(path: str | Path) -> DFlashConfig:
+        return DFlashConfig.from_hf(read_config_json(path))
+
+
+@dataclass(frozen=True)
+class LayerContext:
+    """One layer's context K/V for a batch of S sessions, padded to the longest (any order of positions)."""
+
+    keys: torch.Tensor  # [S, L, Hkv, D] (RoPE applied)
+    values: torch.Tensor  # [S, L, Hkv, D]
+    positions: torch.Tensor  # [S, L] int64; -1 marks padding
+
+
+def visible_keys(query_pos: torch.Tensor, key_pos: torch.Tensor, context_start: torch.Tensor,
+                 window: int | None, causal: bool) -> torch.Tensor:
+    """query_pos: [S, B]; key_pos: [S, K] (-1 = padding); context_start: [S] (keys before it are outside W)
+    -> [S, B, K] bool."""
+    distance = query_pos[:, :, None] - key_pos[:, None, :]  # [S, B, K]
+    visible = (key_pos >= context_start[:, None])[:, None, :].expand_as(distance)
+    if causal:
+        visible = visible & (distance >= 0)
+    if window is not None:
+        visible = visible & (distance.abs() < window)
+    return visible
+
+
+class _BlockAttention:
+    """The LayerAttention of one batched draft: each session's block queries attend to its context K/V
+    and to its own block; the block's K/V are used once and dropped."""
+
+    def __init__(self, config: DFlashConfig, contexts: Sequence[LayerContext], block_pos: torch.Tensor,
+                 context_start: torch.Tensor):
+        self.config, self.contexts, self.block_pos, self.context_start = config, contexts, block_pos, context_start
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        # q: [S * B, Hq, D]; k, v: [S * B, Hkv, D] -> [S * B, Hq, D]
+        sessions, block = self.block_pos.shape
+        context = self.contexts[layer]
+        keys = torch.cat([context.keys, k.view(sessions, block, *k.shape[1:])], dim=1)  # [S, L + B, Hkv, D]
+        values = torch.cat([context.values, v.view(sessions, block, *v.shape[1:])], dim=1)
+        key_pos = torch.cat([context.positions, self.block_pos], dim=1)  # [S, L + B]
+        visible = visible_keys(self.block_pos, key_pos, self.context_start, self.config.layer_window(layer),
+                               self.config.layer_causal(layer))
+        out = F.scaled_dot_product_attention(
+            q.view(sessions, block, *q.shape[1:]).transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+            attn_mask=visible[:, None], enable_gqa=True)  # [S, Hq, B, D]
+        return out.transpose(1, 2).reshape(q.shape)
+
+
+class DFlashModel(nn.Module):
+    """Stateless drafter math; the per-session context K/V cache lives in the caller (the session mirror).
+
+    Parameter names follow the checkpoint (`layers.*`, `fc`, `hidden_norm`, `norm`), plus `embed_tokens`
+    and `lm_head`, which are the target's (TARGET_TENSORS)."""
+
+    def __init__(self, config: DFlashConfig, vocab_size: int):
+        super().__init__()
+        self.config = config
+        hidden = config.model.hidden_size
+        self.layers = nn.ModuleList(DecoderLayer(config.model) for _ in range(config.model.num_layers))
+        self.fc = nn.Linear(config.feature_dim, hidden, bias=False)
+        self.hidden_norm = RMSNorm(hidden, config.model.rms_norm_eps)
+        self.norm = RMSNorm(hidden, config.model.rms_norm_eps)
+        self.embed_tokens = nn.Embedding(vocab_size, hidden)
+        self.lm_head = nn.Linear(hidden, vocab_size, bias=False)
+        self.rotary = RotaryEmbedding(config.model.rope, config.model.head_dim)
+
+    def context_features(self, target_features: torch.Tensor) -> torch.Tensor:
+        """target_features: [N, F] -> [N, H]."""
+        return self.hidden_norm(self.fc(target_features.to(self.fc.weight.dtype)))
+
+    def context_key_values(self, features: torch.Tensor, positions: torch.Tensor) -> list[KeyValue]:
+        """features: [N, H] (from context_features); positions: [N] -> per layer (K, V), each [N, Hkv, D].
+        They depend on the features alone, so a cache of them stays valid across drafts."""
+        cos, sin = self.rotary(positions, features.dtype)
+        return [layer.self_attn.key_value(features, cos, sin) for layer in self.layers]
+
+    def draft(self, root_tokens: torch.Tensor, start_positions: torch.Tensor, contexts: Sequence[LayerContext],
+              context_window: int | None = None) -> torch.Tensor:
+        """root_tokens, start_positions: [S] (start = n, the committed length) -> log-probs [S, B-1, V] (fp32),
+        row d-1 for depth d."""
+        block = self.config.block_size
+        offsets = torch.arange(block, device=root_tokens.device)
+        block_pos = start_positions[:, None] + offsets  # [S, B]
+        tokens = torch.where(offsets == 0, root_tokens[:, None], self.config.mask_token_id)  # [S, B]
+        context_start = torch.zeros_like(start_positions)  # [S]: context positions before it lie outside W
+        if context_window is not None:
+            context_start = (start_positions - context_window).clamp(min=0)
+        attend = _BlockAttention(self.config, contexts, block_pos, context_start)
+        x = self.embed_tokens(tokens.flatten())  # [S * B, H]
+        cos, sin = self.rotary(block_pos.flatten(), x.dtype)
+        for index, layer in enumerate(self.layers):
+            x = layer(index, x, cos, sin, attend)
+        hidden = self.norm(x.view(*tokens.shape, -1)[:, 1:])  # [S, B-1, H]
+        return torch.log_softmax(self.lm_head(hidden).float(), dim=-1)
+
+
+def load_dflash(drafter_dir: str | Path, target_dir: str | Path, dtype: str | torch.dtype | None = None,
+                device: str | torch.device = "cpu") -> DFlashModel:
+    """The drafter from its checkpoint (names with or without `model.`) plus the target's embedding and
+    LM head, read alone from the target checkpoint (never the whole target)."""
+    config = DFlashConfig.from_dir(drafter_dir)
+    target = ModelConfig.from_dir(target_dir)
+    if target.hidden_size != config.model.hidden_size:
+        raise ValueError(f"drafter hidden size {config.model.hidden_size} != target's {target.hidden_size}")
+    dtype = parse_dtype(dtype or config.model.torch_dtype)
+    with torch.device("meta"):
+        model = DFlashModel(config, target.vocab_size)
+    model.to_empty(device=device)
+    model.rotary = RotaryEmbedding(config.model.rope, config.model.head_dim).to(device)
+    params = dict(model.named_parameters())
+    missing = set(params)
+    for name, tensor in iter_tensors(drafter_dir):
+        name = name.removeprefix("model.")
+        if name in TARGET_TENSORS or name not in params:
+            continue  # e.g. rotary buffers some exporters write
+        _fill(params[name], name, tensor, device, dtype)
+        missing.discard(name)
+    by_target_name = {v: k for k, v in TARGET_TENSORS.items()}
+    if target.tie_word_embeddings:
+        by_target_name.pop("lm_head.weight")
+        model.lm_head.weight = model.embed_tokens.weight
+        missing.discard("lm_head.weight")
+    for name, tensor in iter_tensors(target_dir, set(by_target_name)):
+        _fill(params[by_target_name[name]], name, tensor, device, dtype)
+        missing.discard(by_target_name[name])
+    if missing:
+        raise ValueError(f"DFlash checkpoints {drafter_dir} + {target_dir} lack tensors: {sorted(missing)[:5]}")
+    return model.eval().requires_grad_(False)
+
+
+def _fill(param: nn.Parameter, name: str, tensor: torch.Tensor, device: str | torch.device,
+          dtype: torch.dtype) -> None:
+    if tensor.shape != param.shape:
+        raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != expected {tuple(param.shape)}")
+    param.data = tensor.to(device=device, dtype=dtype)
