@@ -66,6 +66,10 @@ class DFlashDrafter:
     def __contains__(self, session_id: str) -> bool:
         return session_id in self._sessions
 
+    def context_length(self, session_id: str) -> int:
+        """Committed positions the session's mirror covers (the next block starts there)."""
+        return self._mirror(session_id).length
+
     @torch.inference_mode()
     def open(self, session_id: str, features: torch.Tensor, start_position: int) -> None:
         """Seed (or replace) a mirror: features [n, F] of committed tokens at start_position.. (only the

@@ -5,14 +5,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import signal
 from pathlib import Path
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from proto import verifier_pb2, verifier_pb2_grpc
+from proto.serving import add_health_and_reflection, mark_serving, server_options, wait_for_termination_signal
 from verifier_service.drafter_pool import DrafterPool
 from verifier_service.engine.config import EngineConfig
 from verifier_service.engine.engine import Engine
@@ -21,15 +19,6 @@ from verifier_service.service import VerifierService
 from verifier_service.servicer import VerifierServicer
 
 SERVICE_NAME = verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name
-MAX_MESSAGE_BYTES = 64 << 20
-
-
-def grpc_server_options(max_connection_age_s: float = 30.0) -> list[tuple[str, int]]:
-    return [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.max_connection_age_ms", int(max_connection_age_s * 1000)),
-            ("grpc.max_connection_age_grace_ms", 10_000)]
-
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ddtree-verifier", description="the verifier service")
@@ -57,7 +46,7 @@ def engine_config(args: argparse.Namespace, checkpoint_dtype: str) -> EngineConf
                         dtype=args.dtype or checkpoint_dtype, device=args.device, attention=args.attention)
 
 
-async def serve(args: argparse.Namespace, ready: asyncio.Event | None = None) -> None:
+async def serve(args: argparse.Namespace) -> None:
     from modeling.config import ModelConfig
 
     engine = Engine.from_checkpoint(args.target, engine_config(args, ModelConfig.from_dir(args.target).torch_dtype))
@@ -65,26 +54,17 @@ async def serve(args: argparse.Namespace, ready: asyncio.Event | None = None) ->
     drafters = DrafterPool(args.drafters, metrics, timeout_s=args.draft_timeout_s) if args.drafters else None
     service = VerifierService(engine, drafters, metrics, tree_budget=args.tree_budget)
 
-    server = grpc.aio.server(options=grpc_server_options())
+    server = grpc.aio.server(options=server_options())
     verifier_pb2_grpc.add_VerifierServicer_to_server(VerifierServicer(service, Path(args.target).name), server)
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection([SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    health_servicer = add_health_and_reflection(server, [SERVICE_NAME])
     port = server.add_insecure_port(args.listen)
     if args.metrics_port:
         metrics.serve(args.metrics_port)
     await service.start()
     await server.start()
-    for name in ("", SERVICE_NAME):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    await mark_serving(health_servicer, [SERVICE_NAME])
     logging.info("verifier listening on port %d", port)
-    if ready is not None:
-        ready.set()
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    await wait_for_termination_signal()
     await health_servicer.enter_graceful_shutdown()
     await server.stop(grace=2.0)
     await service.stop()

@@ -1,0 +1,71 @@
+"""Starts one drafter replica: a DFlash checkpoint (on one device) or the n-gram drafter (CPU)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import socket
+
+import grpc
+
+from drafter_service.drafter import SessionDrafter
+from drafter_service.servicer import DrafterServicer
+from proto import drafter_pb2, drafter_pb2_grpc
+from proto.serving import add_health_and_reflection, mark_serving, server_options, wait_for_termination_signal
+
+SERVICE_NAME = drafter_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ddtree-drafter", description="one drafter replica")
+    parser.add_argument("--drafter", required=True, help="DFlash checkpoint directory, or 'ngram'")
+    parser.add_argument("--target", help="target checkpoint (the DFlash drafter reads its embed_tokens, lm_head)")
+    parser.add_argument("--listen", default="127.0.0.1:50052")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default=None)
+    parser.add_argument("--context-window", type=int, default=1024, help="W; 0 = unlimited")
+    parser.add_argument("--max-budget", type=int, default=255)
+    parser.add_argument("--ngram-min", type=int, default=1)
+    parser.add_argument("--ngram-max", type=int, default=4)
+    parser.add_argument("--replica-id", default=f"{socket.gethostname()}:{os.getpid()}")
+    return parser
+
+
+def load_drafter(args: argparse.Namespace) -> SessionDrafter:
+    if args.drafter == "ngram":
+        from drafter_service.ngram_tree_drafter import NgramTreeDrafter
+
+        return NgramTreeDrafter(args.ngram_min, args.ngram_max, max_budget=args.max_budget)
+    from drafter_service.dflash_tree_drafter import DFlashTreeDrafter
+    from modeling.dflash import load_dflash
+
+    if not args.target:
+        raise SystemExit("--target is required with a DFlash drafter (it shares the target's embeddings)")
+    model = load_dflash(args.drafter, args.target, args.dtype, args.device)
+    return DFlashTreeDrafter(model, args.context_window or None, max_budget=args.max_budget)
+
+
+async def serve(args: argparse.Namespace) -> None:
+    servicer = DrafterServicer(load_drafter(args), args.replica_id)
+    server = grpc.aio.server(options=server_options())
+    drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, server)
+    health_servicer = add_health_and_reflection(server, [SERVICE_NAME])
+    port = server.add_insecure_port(args.listen)
+    servicer.start()
+    await server.start()
+    await mark_serving(health_servicer, [SERVICE_NAME])
+    logging.info("drafter %s (%s) listening on port %d", args.replica_id, servicer.drafter.info.kind, port)
+    await wait_for_termination_signal()
+    await health_servicer.enter_graceful_shutdown()
+    await server.stop(grace=1.0)
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s drafter %(levelname)s %(message)s")
+    asyncio.run(serve(build_parser().parse_args(argv)))
+
+
+if __name__ == "__main__":
+    main()
