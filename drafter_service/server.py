@@ -33,22 +33,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def load_drafter(args: argparse.Namespace) -> SessionDrafter:
-    if args.drafter == "ngram":
+def load_drafter(drafter: str, target: str | None, device: str = "cpu", dtype: str | None = None,
+                 context_window: int | None = 1024, max_budget: int = 255,
+                 ngram_sizes: tuple[int, int] = (1, 4)) -> SessionDrafter:
+    """`drafter` is a DFlash checkpoint directory or 'ngram'."""
+    if drafter == "ngram":
         from drafter_service.ngram_tree_drafter import NgramTreeDrafter
 
-        return NgramTreeDrafter(args.ngram_min, args.ngram_max, max_budget=args.max_budget)
+        return NgramTreeDrafter(*ngram_sizes, max_budget=max_budget)
     from drafter_service.dflash_tree_drafter import DFlashTreeDrafter
     from modeling.dflash import load_dflash
 
-    if not args.target:
-        raise SystemExit("--target is required with a DFlash drafter (it shares the target's embeddings)")
-    model = load_dflash(args.drafter, args.target, args.dtype, args.device)
-    return DFlashTreeDrafter(model, args.context_window or None, max_budget=args.max_budget)
+    if not target:
+        raise ValueError("a DFlash drafter needs the target checkpoint (it shares its embed_tokens and lm_head)")
+    return DFlashTreeDrafter(load_dflash(drafter, target, dtype, device), context_window, max_budget=max_budget)
 
 
 async def serve(args: argparse.Namespace) -> None:
-    servicer = DrafterServicer(load_drafter(args), args.replica_id)
+    drafter = load_drafter(args.drafter, args.target, args.device, args.dtype, args.context_window or None,
+                           args.max_budget, (args.ngram_min, args.ngram_max))
+    servicer = DrafterServicer(drafter, args.replica_id)
     server = grpc.aio.server(options=server_options())
     drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, server)
     health_servicer = add_health_and_reflection(server, [SERVICE_NAME])

@@ -1,0 +1,237 @@
+"""Python client of the ddtree-serve gateway: `Client` (blocking) and `AsyncClient` (asyncio).
+
+    with Client("localhost:50051") as client:
+        generation = client.generate("Once upon a time", max_new_tokens=64)
+        for chunk in generation:
+            print(chunk.text, end="", flush=True)
+        print(generation.summary.tokens_per_second)
+
+Chunks and summaries are the gateway's protobuf messages (GenerateChunk, GenerateSummary); failures
+raise GatewayError, a grpc.RpcError keeping the status code and details. No torch here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator, Sequence
+
+import grpc
+
+from proto import common_pb2, gateway_pb2, gateway_pb2_grpc
+
+DEFAULT_GATEWAY = "localhost:50051"
+MAX_MESSAGE_BYTES = 64 << 20
+
+
+class GatewayError(grpc.RpcError):
+    """A failed gateway call: `code()` and `details()` as on any grpc.RpcError."""
+
+    def __init__(self, code: grpc.StatusCode, details: str):
+        super().__init__(f"{code.name}: {details}")
+        self._code, self._details = code, details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+
+def _gateway_error(error: grpc.RpcError) -> GatewayError:
+    return GatewayError(error.code(), error.details() or "")
+
+
+def generate_request(text: str = "", *, token_ids: Sequence[int] = (), session: str | None = None,
+                     max_new_tokens: int = 0, temperature: float = 0.0, top_k: int = 0, top_p: float = 0.0,
+                     seed: int | None = None, stop: Sequence[str] = (), stop_token_ids: Sequence[int] = (),
+                     ignore_eos: bool = False, keep_session: bool = False) -> gateway_pb2.GenerateRequest:
+    """0 means "the server's default" for max_new_tokens, and "off" for top_k and top_p."""
+    params = common_pb2.SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p,
+                                       max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids,
+                                       stop_strings=stop, ignore_eos=ignore_eos)
+    if seed is not None:
+        params.seed = seed
+    return gateway_pb2.GenerateRequest(text=text, token_ids=token_ids, session=session or "", params=params,
+                                       keep_session=keep_session)
+
+
+class _Output:
+    """What a Generate stream delivered so far; `summary` is set by its last message."""
+
+    def __init__(self) -> None:
+        self.text = ""
+        self.token_ids: list[int] = []
+        self.acceptance_lengths: list[int] = []
+        self.summary: gateway_pb2.GenerateSummary | None = None
+
+    def _take(self, reply: gateway_pb2.GenerateReply) -> gateway_pb2.GenerateChunk | None:
+        if reply.HasField("summary"):
+            self.summary = reply.summary
+            return None
+        chunk = reply.chunk
+        self.text += chunk.text
+        self.token_ids.extend(chunk.token_ids)
+        self.acceptance_lengths.append(chunk.acceptance_length)
+        return chunk
+
+
+class Generation(_Output):
+    """A running Generate call: iterate it for chunks; `summary` once it ends; `cancel()` to stop it."""
+
+    def __init__(self, call: grpc.Call):
+        super().__init__()
+        self._call = call
+
+    def __iter__(self) -> Iterator[gateway_pb2.GenerateChunk]:
+        try:
+            for reply in self._call:
+                chunk = self._take(reply)
+                if chunk is not None:
+                    yield chunk
+        except grpc.RpcError as error:
+            raise _gateway_error(error) from error
+
+    def result(self) -> gateway_pb2.GenerateSummary:
+        """Read the rest of the stream and return the summary."""
+        for _ in self:
+            pass
+        return self.summary
+
+    def cancel(self) -> None:
+        self._call.cancel()
+
+
+class AsyncGeneration(_Output):
+    """The asyncio twin of Generation: `async for chunk in generation`."""
+
+    def __init__(self, call: grpc.aio.UnaryStreamCall):
+        super().__init__()
+        self._call = call
+
+    async def __aiter__(self) -> AsyncIterator[gateway_pb2.GenerateChunk]:
+        try:
+            async for reply in self._call:
+                chunk = self._take(reply)
+                if chunk is not None:
+                    yield chunk
+        except grpc.RpcError as error:
+            raise _gateway_error(error) from error
+
+    async def result(self) -> gateway_pb2.GenerateSummary:
+        async for _ in self:
+            pass
+        return self.summary
+
+    def cancel(self) -> None:
+        self._call.cancel()
+
+
+def _metadata(api_key: str | None) -> tuple[tuple[str, str], ...]:
+    return (("authorization", f"Bearer {api_key}"),) if api_key else ()
+
+
+_CHANNEL_OPTIONS = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
+
+
+class Client:
+    """Blocking client. `timeout` (seconds) is the deadline of each call; the gateway passes what is
+    left of it on to the verifier."""
+
+    def __init__(self, target: str = DEFAULT_GATEWAY, api_key: str | None = None, timeout: float | None = None):
+        self._channel = grpc.insecure_channel(target, options=_CHANNEL_OPTIONS)
+        self._stub = gateway_pb2_grpc.GatewayStub(self._channel)
+        self._metadata = _metadata(api_key)
+        self.timeout = timeout
+
+    def generate(self, text: str = "", **options) -> Generation:
+        """Start a generation (options as in `generate_request`); iterate the result for chunks."""
+        call = self._stub.Generate(generate_request(text, **options), timeout=self.timeout, metadata=self._metadata)
+        return Generation(call)
+
+    def create_session(self, text: str = "", token_ids: Sequence[int] = ()) -> gateway_pb2.CreateSessionReply:
+        return self._unary(self._stub.CreateSession, gateway_pb2.CreateSessionRequest(text=text, token_ids=token_ids))
+
+    def fork_session(self, handle: str) -> gateway_pb2.SessionInfo:
+        return self._unary(self._stub.ForkSession, gateway_pb2.ForkSessionRequest(session=handle))
+
+    def release_session(self, handle: str) -> None:
+        self._unary(self._stub.ReleaseSession, gateway_pb2.ReleaseSessionRequest(session=handle))
+
+    def get_session(self, handle: str) -> gateway_pb2.SessionInfo:
+        return self._unary(self._stub.GetSession, gateway_pb2.GetSessionRequest(session=handle))
+
+    def list_sessions(self) -> list[gateway_pb2.SessionInfo]:
+        return list(self._unary(self._stub.ListSessions, gateway_pb2.ListSessionsRequest()).sessions)
+
+    def list_models(self) -> list[gateway_pb2.ModelInfo]:
+        return list(self._unary(self._stub.ListModels, gateway_pb2.ListModelsRequest()).models)
+
+    def info(self) -> gateway_pb2.InfoReply:
+        return self._unary(self._stub.Info, gateway_pb2.InfoRequest())
+
+    def _unary(self, method: grpc.UnaryUnaryMultiCallable, request):
+        try:
+            return method(request, timeout=self.timeout, metadata=self._metadata)
+        except grpc.RpcError as error:
+            raise _gateway_error(error) from error
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+
+class AsyncClient:
+    """The asyncio client: the same methods as Client, as coroutines (generate returns an
+    AsyncGeneration at once). Create it inside the running event loop."""
+
+    def __init__(self, target: str = DEFAULT_GATEWAY, api_key: str | None = None, timeout: float | None = None):
+        self._channel = grpc.aio.insecure_channel(target, options=_CHANNEL_OPTIONS)
+        self._stub = gateway_pb2_grpc.GatewayStub(self._channel)
+        self._metadata = _metadata(api_key)
+        self.timeout = timeout
+
+    def generate(self, text: str = "", **options) -> AsyncGeneration:
+        call = self._stub.Generate(generate_request(text, **options), timeout=self.timeout, metadata=self._metadata)
+        return AsyncGeneration(call)
+
+    async def create_session(self, text: str = "", token_ids: Sequence[int] = ()) -> gateway_pb2.CreateSessionReply:
+        return await self._unary(self._stub.CreateSession,
+                                 gateway_pb2.CreateSessionRequest(text=text, token_ids=token_ids))
+
+    async def fork_session(self, handle: str) -> gateway_pb2.SessionInfo:
+        return await self._unary(self._stub.ForkSession, gateway_pb2.ForkSessionRequest(session=handle))
+
+    async def release_session(self, handle: str) -> None:
+        await self._unary(self._stub.ReleaseSession, gateway_pb2.ReleaseSessionRequest(session=handle))
+
+    async def get_session(self, handle: str) -> gateway_pb2.SessionInfo:
+        return await self._unary(self._stub.GetSession, gateway_pb2.GetSessionRequest(session=handle))
+
+    async def list_sessions(self) -> list[gateway_pb2.SessionInfo]:
+        return list((await self._unary(self._stub.ListSessions, gateway_pb2.ListSessionsRequest())).sessions)
+
+    async def list_models(self) -> list[gateway_pb2.ModelInfo]:
+        return list((await self._unary(self._stub.ListModels, gateway_pb2.ListModelsRequest())).models)
+
+    async def info(self) -> gateway_pb2.InfoReply:
+        return await self._unary(self._stub.Info, gateway_pb2.InfoRequest())
+
+    async def _unary(self, method: grpc.aio.UnaryUnaryMultiCallable, request):
+        try:
+            return await method(request, timeout=self.timeout, metadata=self._metadata)
+        except grpc.RpcError as error:
+            raise _gateway_error(error) from error
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        await self.close()
