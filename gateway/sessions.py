@@ -79,6 +79,10 @@ class SessionRegistry:
         entry.last_used = self._clock()
         return entry
 
+    def peek(self, handle: str, owner: str | None) -> SessionEntry:
+        """The owner's live entry, leaving its idle timer alone (a status query is not use)."""
+        return self._live(handle, owner)
+
     @contextmanager
     def using(self, handle: str, owner: str | None) -> Iterator[SessionEntry]:
         """Hold the session for a call that may outlast the TTL (a long generation)."""

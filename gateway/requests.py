@@ -1,0 +1,51 @@
+"""Request checks at the gateway's edge: prompts and sampling parameters, each failure naming its field."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from gateway.config import GatewayConfig
+from gateway.errors import InvalidArgument
+from modeling.tokenizer import Tokenizer
+from proto import common_pb2
+
+
+def prompt_ids(text: str, token_ids: Sequence[int], tokenizer: Tokenizer, *, required: bool,
+               vocab_size: int | None, max_context: int | None) -> list[int]:
+    """The prompt as token ids: `text` tokenized, or `token_ids` checked against the model."""
+    if text and token_ids:
+        raise InvalidArgument("text, token_ids: give one of them, not both")
+    ids = tokenizer.encode(text) if text else list(token_ids)
+    if required and not ids:
+        raise InvalidArgument("text/token_ids: the prompt is empty")
+    bad = next((t for t in ids if t < 0 or (vocab_size is not None and t >= vocab_size)), None)
+    if bad is not None:
+        raise InvalidArgument(f"token_ids: {bad} is not a token id of the model (vocabulary {vocab_size})")
+    if max_context is not None and len(ids) >= max_context:
+        raise InvalidArgument(f"text/token_ids: {len(ids)} tokens do not fit the model's context of {max_context}")
+    return ids
+
+
+def checked_params(params: common_pb2.SamplingParams, config: GatewayConfig,
+                   vocab_size: int | None) -> common_pb2.SamplingParams:
+    """A copy of `params` that the verifier can run, with max_new_tokens defaulted."""
+    _check_range("params.temperature", params.temperature, 0.0, config.max_temperature)
+    _check_range("params.top_p", params.top_p, 0.0, 1.0)
+    _check_range("params.top_k", params.top_k, 0, vocab_size if vocab_size is not None else 2**31 - 1)
+    _check_range("params.max_new_tokens", params.max_new_tokens, 0, config.max_new_tokens_limit)
+    for token in params.stop_token_ids:
+        _check_range("params.stop_token_ids", token, 0, (vocab_size or 2**31) - 1)
+    if len(params.stop_strings) > config.max_stop_strings:
+        raise InvalidArgument(f"params.stop_strings: at most {config.max_stop_strings} are allowed")
+    if any(not 0 < len(s) <= config.max_stop_string_chars for s in params.stop_strings):
+        raise InvalidArgument(f"params.stop_strings: each must have 1 to {config.max_stop_string_chars} characters")
+    checked = common_pb2.SamplingParams()
+    checked.CopyFrom(params)
+    checked.max_new_tokens = params.max_new_tokens or config.default_max_new_tokens
+    return checked
+
+
+def _check_range(field: str, value: float, low: float, high: float) -> None:
+    if not (math.isfinite(value) and low <= value <= high):
+        raise InvalidArgument(f"{field}: {value} is outside [{low}, {high}]")

@@ -1,0 +1,152 @@
+"""Starting the gateway: gRPC server (Gateway, health, reflection), metrics over HTTP, housekeeping."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from gateway.auth import ApiKeys
+from gateway.config import GatewayConfig
+from gateway.core import GatewayCore
+from gateway.metrics import GatewayMetrics
+from gateway.service import GatewayServicer
+from gateway.verifiers import VerifierPool
+from modeling.tokenizer import Tokenizer
+from proto import gateway_pb2, gateway_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+GATEWAY_SERVICE = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
+
+
+@dataclass
+class RunningGateway:
+    server: grpc.aio.Server
+    port: int  # the bound gRPC port (useful with "host:0")
+    core: GatewayCore
+    metrics_http: object | None  # the /metrics HTTP server, when on
+    housekeeping: asyncio.Task
+
+    async def stop(self, grace_s: float | None = 5.0) -> None:
+        self.housekeeping.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self.housekeeping
+        await self.server.stop(grace_s)
+        if self.metrics_http is not None:
+            self.metrics_http.shutdown()
+        await self.core.pool.close()
+
+
+def _message_options(config: GatewayConfig) -> list[tuple[str, int]]:
+    return [("grpc.max_receive_message_length", config.max_message_bytes),
+            ("grpc.max_send_message_length", config.max_message_bytes)]
+
+
+async def start(config: GatewayConfig, keys: ApiKeys) -> RunningGateway:
+    """Start serving; the first verifier poll runs before the port opens so routing starts informed."""
+    metrics = GatewayMetrics()
+    pool = VerifierPool(config.verifiers, _message_options(config))
+    core = GatewayCore(config, pool, Tokenizer.from_dir(config.tokenizer_dir), metrics)
+    health_servicer = health.aio.HealthServicer()
+    await _refresh(core, health_servicer)
+
+    server = grpc.aio.server(options=[
+        *_message_options(config),
+        ("grpc.max_connection_age_ms", int(config.max_connection_age_s * 1000)),
+        ("grpc.max_connection_age_grace_ms", int(config.max_connection_age_grace_s * 1000)),
+    ])
+    gateway_pb2_grpc.add_GatewayServicer_to_server(GatewayServicer(core, keys), server)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (GATEWAY_SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+        server)
+    port = server.add_insecure_port(config.listen)
+    await server.start()
+    metrics_http = metrics.serve_http(config.metrics_port, config.metrics_addr) if config.metrics_port else None
+    housekeeping = asyncio.create_task(_housekeep(core, health_servicer, config.housekeeping_interval_s))
+    log.info("gateway listening on %s (port %d), verifiers %s", config.listen, port, ", ".join(config.verifiers))
+    return RunningGateway(server, port, core, metrics_http, housekeeping)
+
+
+async def _refresh(core: GatewayCore, health_servicer: health.aio.HealthServicer) -> None:
+    """Serving while at least one verifier answers: a gateway without one can only fail calls."""
+    await core.refresh()
+    status = health_pb2.HealthCheckResponse.SERVING if core.pool.up else health_pb2.HealthCheckResponse.NOT_SERVING
+    for service in ("", GATEWAY_SERVICE):
+        await health_servicer.set(service, status)
+
+
+async def _housekeep(core: GatewayCore, health_servicer: health.aio.HealthServicer, interval_s: float) -> None:
+    while True:
+        await asyncio.sleep(interval_s)
+        try:
+            await _refresh(core, health_servicer)
+        except Exception:  # noqa: BLE001 - housekeeping must outlive one bad round
+            log.exception("gateway housekeeping failed")
+
+
+async def serve(config: GatewayConfig, keys: ApiKeys) -> None:
+    """Run until SIGINT or SIGTERM, then stop with a grace period for running calls."""
+    gateway = await start(config, keys)
+    stopping = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stopping.set)
+    print(f"gateway listening on port {gateway.port}", flush=True)
+    await stopping.wait()
+    await gateway.stop()
+
+
+def read_api_keys(path: str | None) -> ApiKeys:
+    """One key per line; blank lines and lines starting with '#' are skipped. No file: auth off."""
+    if path is None:
+        return ApiKeys()
+    lines = (line.strip() for line in Path(path).read_text().splitlines())
+    return ApiKeys(line for line in lines if line and not line.startswith("#"))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    d = GatewayConfig
+    p = argparse.ArgumentParser(prog="ddtree-gateway", description="the public gRPC gateway of ddtree-serve")
+    p.add_argument("--listen", default=d.listen, help="gRPC address to bind")
+    p.add_argument("--verifiers", required=True, help="verifier addresses, comma separated")
+    p.add_argument("--tokenizer", required=True, help="checkpoint directory holding tokenizer.json")
+    p.add_argument("--api-keys-file", help="file with one API key per line; absent: no auth")
+    p.add_argument("--session-ttl-s", type=float, default=d.session_idle_ttl_s, help="idle time before release")
+    p.add_argument("--max-sessions-per-key", type=int, default=d.max_sessions_per_key)
+    p.add_argument("--max-new-tokens-limit", type=int, default=d.max_new_tokens_limit)
+    p.add_argument("--default-max-new-tokens", type=int, default=d.default_max_new_tokens)
+    p.add_argument("--max-message-bytes", type=int, default=d.max_message_bytes)
+    p.add_argument("--max-connection-age-s", type=float, default=d.max_connection_age_s)
+    p.add_argument("--metrics-port", type=int, default=d.metrics_port, help="Prometheus HTTP port; 0 = off")
+    p.add_argument("--metrics-addr", default=d.metrics_addr)
+    p.add_argument("--log-level", default="INFO")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = GatewayConfig(
+        verifiers=tuple(a.strip() for a in args.verifiers.split(",") if a.strip()),
+        tokenizer_dir=args.tokenizer, listen=args.listen, metrics_port=args.metrics_port,
+        metrics_addr=args.metrics_addr, session_idle_ttl_s=args.session_ttl_s,
+        max_sessions_per_key=args.max_sessions_per_key, max_new_tokens_limit=args.max_new_tokens_limit,
+        default_max_new_tokens=args.default_max_new_tokens, max_message_bytes=args.max_message_bytes,
+        max_connection_age_s=args.max_connection_age_s)
+    asyncio.run(serve(config, read_api_keys(args.api_keys_file)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,115 @@
+"""The public Gateway gRPC servicer: authenticate, check the request, call one GatewayCore method.
+
+Every RPC goes through `_unary` or `_stream`, which hand it the caller's identity and remaining
+deadline and turn exceptions into status codes (gateway/errors.py) in one place.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, NoReturn
+
+import grpc
+
+from gateway.auth import ApiKeys
+from gateway.core import GatewayCore
+from gateway.errors import status_of
+from proto import gateway_pb2, gateway_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Caller:
+    owner: str | None  # the API key's digest; None when keys are off
+    timeout: float | None  # seconds left of the caller's deadline, for downstream calls
+
+
+def _unary(method: Callable[[Any, Any, Caller], Awaitable[Any]]):
+    @functools.wraps(method)
+    async def handler(self: GatewayServicer, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            return await method(self, request, self._caller(context))
+        except Exception as exc:  # noqa: BLE001 - mapped to a status in one place
+            await self._abort(context, exc)
+    return handler
+
+
+def _stream(method: Callable[[Any, Any, Caller], AsyncIterator[Any]]):
+    @functools.wraps(method)
+    async def handler(self: GatewayServicer, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        try:
+            async for reply in method(self, request, self._caller(context)):
+                yield reply
+        except asyncio.CancelledError:
+            self.core.metrics.errors.labels(grpc.StatusCode.CANCELLED.name).inc()
+            raise
+        except Exception as exc:  # noqa: BLE001 - mapped to a status in one place
+            await self._abort(context, exc)
+    return handler
+
+
+class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
+    def __init__(self, core: GatewayCore, keys: ApiKeys):
+        self.core = core
+        self.keys = keys
+
+    @_stream
+    async def Generate(self, request: gateway_pb2.GenerateRequest,
+                       caller: Caller) -> AsyncIterator[gateway_pb2.GenerateReply]:
+        prompt = self.core.prompt(request.text, request.token_ids, required=not request.session)
+        params = self.core.params(request.params)
+        async for reply in self.core.generate(caller.owner, prompt, params, request.session, request.keep_session,
+                                              caller.timeout):
+            yield reply
+
+    @_unary
+    async def CreateSession(self, request: gateway_pb2.CreateSessionRequest,
+                            caller: Caller) -> gateway_pb2.CreateSessionReply:
+        prompt = self.core.prompt(request.text, request.token_ids, required=True)
+        return await self.core.create_session(caller.owner, prompt, caller.timeout)
+
+    @_unary
+    async def ForkSession(self, request: gateway_pb2.ForkSessionRequest, caller: Caller) -> gateway_pb2.SessionInfo:
+        return await self.core.fork_session(caller.owner, request.session, caller.timeout)
+
+    @_unary
+    async def ReleaseSession(self, request: gateway_pb2.ReleaseSessionRequest,
+                             caller: Caller) -> gateway_pb2.ReleaseSessionReply:
+        await self.core.release_session(caller.owner, request.session)
+        return gateway_pb2.ReleaseSessionReply()
+
+    @_unary
+    async def GetSession(self, request: gateway_pb2.GetSessionRequest, caller: Caller) -> gateway_pb2.SessionInfo:
+        return await self.core.get_session(caller.owner, request.session, caller.timeout)
+
+    @_unary
+    async def ListSessions(self, request: gateway_pb2.ListSessionsRequest,
+                           caller: Caller) -> gateway_pb2.ListSessionsReply:
+        return await self.core.list_sessions(caller.owner, caller.timeout)
+
+    @_unary
+    async def ListModels(self, request: gateway_pb2.ListModelsRequest, caller: Caller) -> gateway_pb2.ListModelsReply:
+        return gateway_pb2.ListModelsReply(models=[self.core.model_info()])
+
+    @_unary
+    async def Info(self, request: gateway_pb2.InfoRequest, caller: Caller) -> gateway_pb2.InfoReply:
+        return self.core.info(auth_required=self.keys.enabled)
+
+    def _caller(self, context: grpc.aio.ServicerContext) -> Caller:
+        return Caller(self.keys.authenticate(context.invocation_metadata() or ()), context.time_remaining())
+
+    async def _abort(self, context: grpc.aio.ServicerContext, exc: Exception) -> NoReturn:
+        if isinstance(exc, grpc.aio.AbortError):
+            raise exc
+        status = status_of(exc)
+        if status is None:
+            log.exception("unexpected failure in a gateway call")
+            status = grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}"
+        code, details = status
+        self.core.metrics.errors.labels(code.name).inc()
+        await context.abort(code, details)

@@ -1,0 +1,483 @@
+"""The gateway over real gRPC on loopback, against a fake Verifier, through the real client and CLI."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Callable, Coroutine
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+from ddtree.client import AsyncClient, Client, GatewayError
+from ddtree.client_cli import add_client_commands
+from gateway.auth import ApiKeys
+from gateway.config import GatewayConfig
+from gateway.server import RunningGateway, start
+from gateway.text import OutputText
+from modeling.tiny import byte_level_tokenizer
+from modeling.tokenizer import Tokenizer
+from proto import common_pb2, verifier_pb2, verifier_pb2_grpc
+
+REPLY = "Hello, world! The END is near; more text follows. "
+REPLY_IDS = list(REPLY.encode())  # the byte-level tokenizer: token id b is byte b
+PAGE = 16
+CAPACITY = 1000
+MAX_MESSAGE = 64 << 10
+Code = grpc.StatusCode
+
+
+class FakeVerifier(verifier_pb2_grpc.VerifierServicer):
+    """Sessions of token lists; each Generate emits REPLY's bytes, 1, 2, 3, 1, ... per step, stopping at
+    max_new_tokens or a stop string like the real engine. Records cancellations and deadlines."""
+
+    def __init__(self) -> None:
+        self.sessions: dict[str, list[int]] = {}
+        self.generating: set[str] = set()
+        self.cancelled: list[str] = []
+        self.deadlines: list[float | None] = []
+        self.fail_next: dict[str, Code] = {}
+        self.fail_mid_stream = False
+        self.step_delay_s = 0.0
+        self.reserved_pages = 0
+        self._ids = 0
+
+    async def _maybe_fail(self, method: str, context: grpc.aio.ServicerContext) -> None:
+        code = self.fail_next.pop(method, None)
+        if code is not None:
+            await context.abort(code, f"fake {method} failure")
+
+    def _new(self, tokens: list[int]) -> verifier_pb2.VerifierSessionInfo:
+        self._ids += 1
+        session_id = f"v-{self._ids}"
+        self.sessions[session_id] = tokens
+        return self._info(session_id)
+
+    def _info(self, session_id: str) -> verifier_pb2.VerifierSessionInfo:
+        n = len(self.sessions[session_id])
+        return verifier_pb2.VerifierSessionInfo(session_id=session_id, num_tokens=n, prefix_length=n - 1,
+                                                pages_used=math.ceil(n / PAGE),
+                                                generating=session_id in self.generating)
+
+    async def _session(self, session_id: str, context: grpc.aio.ServicerContext) -> list[int]:
+        if session_id not in self.sessions:
+            await context.abort(Code.NOT_FOUND, "session_id: unknown")
+        return self.sessions[session_id]
+
+    async def CreateSession(self, request, context):
+        await self._maybe_fail("CreateSession", context)
+        return verifier_pb2.VerifierCreateSessionReply(session=self._new(list(request.prompt_token_ids)),
+                                                       prefill_ms=1.0)
+
+    async def ForkSession(self, request, context):
+        return self._new(list(await self._session(request.session_id, context)))
+
+    async def ReleaseSession(self, request, context):
+        tokens = await self._session(request.session_id, context)
+        del self.sessions[request.session_id]
+        return verifier_pb2.VerifierReleaseSessionReply(pages_freed=math.ceil(len(tokens) / PAGE))
+
+    async def GetSession(self, request, context):
+        await self._session(request.session_id, context)
+        return self._info(request.session_id)
+
+    async def Info(self, request, context):
+        used = sum(math.ceil(len(t) / PAGE) for t in self.sessions.values()) + self.reserved_pages
+        return verifier_pb2.VerifierInfoReply(model_name="fake", page_size=PAGE, kv_capacity_pages=CAPACITY,
+                                              free_pages=CAPACITY - used, max_context=4096, vocab_size=320,
+                                              eos_token_ids=[256], active_sessions=len(self.sessions))
+
+    async def Generate(self, request, context):
+        await self._maybe_fail("Generate", context)
+        self.deadlines.append(context.time_remaining())
+        session_id, params = request.session_id, request.params
+        tokens = await self._session(session_id, context)
+        tokens.extend(request.append_token_ids)
+        self.generating.add(session_id)
+        out: list[int] = []
+        try:
+            for step in range(params.max_new_tokens):
+                proposed = [REPLY_IDS[(len(out) + i) % len(REPLY_IDS)] for i in range(1 + step % 3)]
+                emitted, reason = [], common_pb2.STOP_REASON_UNSPECIFIED
+                for token in proposed:
+                    emitted.append(token)
+                    out.append(token)
+                    if any(s in bytes(out).decode() for s in params.stop_strings):
+                        reason = common_pb2.STOP_REASON_STOP_STRING
+                    elif len(out) >= params.max_new_tokens:
+                        reason = common_pb2.STOP_REASON_LENGTH
+                    if reason:
+                        break
+                tokens.extend(emitted)
+                if self.fail_mid_stream and step == 2:
+                    await context.abort(Code.UNAVAILABLE, "fake verifier lost its GPU")
+                yield verifier_pb2.VerifierGenerateStep(
+                    step=step, token_ids=emitted, acceptance_length=len(proposed), drafted_nodes=4,
+                    finished=bool(reason), stop_reason=reason, num_tokens=len(tokens))
+                if reason:
+                    return
+                await asyncio.sleep(self.step_delay_s)
+        except asyncio.CancelledError:
+            self.cancelled.append(session_id)
+            raise
+        finally:
+            self.generating.discard(session_id)
+            if not request.keep_session:
+                self.sessions.pop(session_id, None)
+
+
+class Stack:
+    """An event loop in a thread serving the fakes and gateways, so blocking clients can call them."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.servers: list[grpc.aio.Server] = []
+        self.gateways: list[RunningGateway] = []
+
+    def run(self, coro: Coroutine[Any, Any, Any]) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout=30)
+
+    def fake(self) -> tuple[FakeVerifier, str]:
+        async def serve() -> tuple[FakeVerifier, str]:
+            fake, server = FakeVerifier(), grpc.aio.server()
+            verifier_pb2_grpc.add_VerifierServicer_to_server(fake, server)
+            port = server.add_insecure_port("127.0.0.1:0")
+            await server.start()
+            self.servers.append(server)
+            return fake, f"127.0.0.1:{port}"
+        return self.run(serve())
+
+    def gateway(self, keys: tuple[str, ...] = (), **config: Any) -> RunningGateway:
+        gateway = self.run(start(GatewayConfig(listen="127.0.0.1:0", **config), ApiKeys(keys)))
+        self.gateways.append(gateway)
+        return gateway
+
+    def close(self) -> None:
+        for gateway in self.gateways:
+            self.run(gateway.stop(0))
+        for server in self.servers:
+            self.run(server.stop(0))
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=5)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory: pytest.TempPathFactory):
+    tokenizer_dir = tmp_path_factory.mktemp("tokenizer")
+    byte_level_tokenizer().save(str(tokenizer_dir / "tokenizer.json"))
+    stack = Stack()
+    (fake_a, addr_a), (fake_b, addr_b) = stack.fake(), stack.fake()
+    common = dict(tokenizer_dir=str(tokenizer_dir), housekeeping_interval_s=0.1, max_message_bytes=MAX_MESSAGE)
+    metrics_port = _free_port()
+    ns = argparse.Namespace(
+        stack=stack, fakes=(fake_a, fake_b), tokenizer_dir=tokenizer_dir, metrics_port=metrics_port,
+        # two verifiers, no auth, metrics on
+        plain=stack.gateway(verifiers=(addr_a, addr_b), metrics_port=metrics_port, **common),
+        # one verifier (fake_a), keys on
+        keyed=stack.gateway(keys=("k-alice", "k-bob"), verifiers=(addr_a,), **common),
+        # one verifier (fake_b), sessions expire fast
+        short=stack.gateway(verifiers=(addr_b,), session_idle_ttl_s=0.4, **common),
+    )
+    yield ns
+    stack.close()
+
+
+def client(gateway: RunningGateway, **options: Any) -> Client:
+    return Client(f"127.0.0.1:{gateway.port}", **options)
+
+
+def wait_for(condition: Callable[[], bool], timeout_s: float = 3.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.02)
+    return condition()
+
+
+def expect_error(code: Code, call: Callable[[], Any], *fragments: str) -> GatewayError:
+    with pytest.raises(GatewayError) as caught:
+        result = call()
+        if hasattr(result, "result"):
+            result.result()
+    assert caught.value.code() == code, caught.value
+    for fragment in fragments:
+        assert fragment in caught.value.details()
+    return caught.value
+
+
+def test_generate_streams_chunks_and_a_summary(env) -> None:
+    with client(env.plain) as c:
+        generation = c.generate("Hi", max_new_tokens=10)
+        chunks = list(generation)
+        summary = generation.summary
+        assert [list(ch.token_ids) for ch in chunks] == [REPLY_IDS[0:1], REPLY_IDS[1:3], REPLY_IDS[3:6],
+                                                         REPLY_IDS[6:7], REPLY_IDS[7:9], REPLY_IDS[9:10]]
+        assert "".join(ch.text for ch in chunks) == REPLY[:10] == generation.text
+        assert [ch.acceptance_length for ch in chunks] == [1, 2, 3, 1, 2, 3]
+        assert summary.stop_reason == common_pb2.STOP_REASON_LENGTH and summary.session == ""
+        assert (summary.prompt_tokens, summary.generated_tokens, summary.steps) == (2, 10, 6)
+        assert summary.session_tokens == 12
+        assert summary.mean_acceptance_length == pytest.approx(2.0)
+        assert 0 < summary.ttft_ms <= summary.e2e_ms
+        assert c.list_sessions() == []  # the one-shot session is gone from the gateway and the verifiers
+    assert all(not fake.sessions for fake in env.fakes)
+
+
+def test_sessions_create_continue_fork_release_list(env) -> None:
+    with client(env.plain) as c:
+        created = c.create_session("abc")
+        handle = created.session.session
+        assert created.session.num_tokens == 3 and created.prefill_ms > 0
+        summary = c.generate("de", session=handle, max_new_tokens=4).result()
+        assert summary.session == handle and summary.prompt_tokens == 2 and summary.session_tokens == 3 + 2 + 4
+        fork = c.fork_session(handle)
+        assert fork.session != handle and fork.num_tokens == 9
+        c.generate("", session=fork.session, max_new_tokens=3).result()
+        assert (c.get_session(handle).num_tokens, c.get_session(fork.session).num_tokens) == (9, 12)
+        assert {s.session for s in c.list_sessions()} == {handle, fork.session}
+        one_shot = c.generate("xyz", max_new_tokens=2, keep_session=True).result()
+        assert one_shot.session and c.get_session(one_shot.session).num_tokens == 5
+        for h in (handle, fork.session, one_shot.session):
+            c.release_session(h)
+        assert c.list_sessions() == []
+        expect_error(Code.NOT_FOUND, lambda: c.get_session(handle), "session")
+    assert all(not fake.sessions for fake in env.fakes)
+
+
+def test_new_sessions_go_to_the_verifier_with_most_free_pages(env) -> None:
+    fake_a, fake_b = env.fakes
+    fake_a.reserved_pages = 500
+    env.stack.run(env.plain.core.refresh())
+    with client(env.plain) as c:
+        handles = [c.create_session("x").session.session for _ in range(3)]
+        assert len(fake_b.sessions) == 3 and not fake_a.sessions
+        for h in handles:
+            c.release_session(h)
+    fake_a.reserved_pages = 0
+    env.stack.run(env.plain.core.refresh())
+    with client(env.plain) as c:  # equal free pages: in turn
+        handles = [c.create_session("x").session.session for _ in range(2)]
+        assert len(fake_a.sessions) == len(fake_b.sessions) == 1
+        for h in handles:
+            c.release_session(h)
+
+
+def test_api_keys_and_handles_bound_to_them(env) -> None:
+    expect_error(Code.UNAUTHENTICATED, lambda: client(env.keyed).info(), "authorization")
+    expect_error(Code.UNAUTHENTICATED, lambda: client(env.keyed, api_key="k-mallory").info(), "unknown API key")
+    with client(env.keyed, api_key="k-alice") as alice, client(env.keyed, api_key="k-bob") as bob:
+        assert alice.info().auth_required
+        first, second = (alice.create_session("abc").session.session for _ in range(2))
+        assert first != second and len(first) >= 32 and "v-" not in first
+        for call in (lambda: bob.get_session(first), lambda: bob.fork_session(first),
+                     lambda: bob.release_session(first), lambda: bob.generate("x", session=first)):
+            expect_error(Code.PERMISSION_DENIED, call, "another API key")
+        assert bob.list_sessions() == []
+        assert {s.session for s in alice.list_sessions()} == {first, second}
+        expect_error(Code.UNAUTHENTICATED, lambda: client(env.keyed).generate("x", session=first))
+        for h in (first, second):
+            alice.release_session(h)
+
+
+def test_unknown_and_expired_handles_are_not_found(env) -> None:
+    fake_b = env.fakes[1]
+    with client(env.short) as c:
+        expect_error(Code.NOT_FOUND, lambda: c.get_session("no-such-handle"), "session")
+        expect_error(Code.NOT_FOUND, lambda: c.generate("x", session="no-such-handle"), "session")
+        handle = c.create_session("abc").session.session
+        assert c.get_session(handle).expires_in_s > 0
+        assert wait_for(lambda: not fake_b.sessions)  # housekeeping released it at the verifier
+        expect_error(Code.NOT_FOUND, lambda: c.get_session(handle), "expired")
+
+
+@pytest.mark.parametrize("call, field", [
+    (lambda c: c.generate(""), "text"),
+    (lambda c: c.create_session(""), "text"),
+    (lambda c: c.create_session("a", token_ids=[97]), "token_ids"),
+    (lambda c: c.create_session(token_ids=[97, -1]), "token_ids"),
+    (lambda c: c.create_session(token_ids=[97, 10_000]), "token_ids"),
+    (lambda c: c.generate("a", temperature=-1.0), "params.temperature"),
+    (lambda c: c.generate("a", temperature=float("nan")), "params.temperature"),
+    (lambda c: c.generate("a", temperature=1e9), "params.temperature"),
+    (lambda c: c.generate("a", top_p=1.5), "params.top_p"),
+    (lambda c: c.generate("a", top_k=-3), "params.top_k"),
+    (lambda c: c.generate("a", max_new_tokens=-1), "params.max_new_tokens"),
+    (lambda c: c.generate("a", max_new_tokens=10**7), "params.max_new_tokens"),
+    (lambda c: c.generate("a", stop=[""]), "params.stop_strings"),
+    (lambda c: c.generate("a", stop_token_ids=[-5]), "params.stop_token_ids"),
+    (lambda c: c.create_session(token_ids=[1] * 5000), "context"),
+])
+def test_bad_requests_are_invalid_argument_naming_the_field(env, call, field: str) -> None:
+    with client(env.plain) as c:
+        expect_error(Code.INVALID_ARGUMENT, lambda: call(c), field)
+
+
+def test_oversized_message_is_resource_exhausted(env) -> None:
+    with client(env.plain) as c:
+        expect_error(Code.RESOURCE_EXHAUSTED, lambda: c.create_session("x" * (MAX_MESSAGE + 1)))
+
+
+def test_verifier_status_passes_through(env) -> None:
+    fake_a = env.fakes[0]
+    with client(env.keyed, api_key="k-alice") as c:
+        fake_a.fail_next["CreateSession"] = Code.RESOURCE_EXHAUSTED
+        expect_error(Code.RESOURCE_EXHAUSTED, lambda: c.create_session("abc"), "fake CreateSession failure")
+        fake_a.fail_next["CreateSession"] = Code.RESOURCE_EXHAUSTED
+        expect_error(Code.RESOURCE_EXHAUSTED, lambda: c.generate("abc"))
+        fake_a.fail_next["Generate"] = Code.RESOURCE_EXHAUSTED
+        expect_error(Code.RESOURCE_EXHAUSTED, lambda: c.generate("abc"), "fake Generate failure")
+        assert c.list_sessions() == [] and not fake_a.sessions  # the failed one-shot was released
+
+
+def test_failure_mid_stream_ends_with_an_error_summary(env) -> None:
+    fake_a = env.fakes[0]
+    fake_a.fail_mid_stream = True
+    try:
+        with client(env.keyed, api_key="k-alice") as c:
+            generation = c.generate("abc", max_new_tokens=50)
+            summary = generation.result()
+    finally:
+        fake_a.fail_mid_stream = False
+    assert summary.stop_reason == common_pb2.STOP_REASON_ERROR
+    assert generation.token_ids == REPLY_IDS[:3] and summary.steps == 2
+
+
+def test_cancelled_client_cancels_the_verifier_stream(env) -> None:
+    fake_a = env.fakes[0]
+
+    async def cancel_after_two_chunks() -> None:
+        async with AsyncClient(f"127.0.0.1:{env.keyed.port}", api_key="k-alice") as c:
+            generation = c.generate("abc", max_new_tokens=5000)
+            seen = 0
+            async for _ in generation:
+                seen += 1
+                if seen == 2:
+                    generation.cancel()
+                    break
+
+    fake_a.step_delay_s = 0.05
+    try:
+        asyncio.run(cancel_after_two_chunks())
+        assert wait_for(lambda: len(fake_a.cancelled) == 1)
+    finally:
+        fake_a.step_delay_s = 0.0
+    assert wait_for(lambda: not fake_a.sessions)
+    with client(env.keyed, api_key="k-alice") as c:
+        assert c.list_sessions() == []
+
+
+def test_stop_string_is_cut_from_the_text(env) -> None:
+    with client(env.plain) as c:
+        generation = c.generate("Hi", max_new_tokens=100, stop=["END"])
+        summary = generation.result()
+    assert summary.stop_reason == common_pb2.STOP_REASON_STOP_STRING
+    assert generation.text == REPLY[: REPLY.index("END")]
+    assert generation.token_ids == REPLY_IDS[: REPLY.index("END") + 3]
+
+
+def test_output_text_holds_back_possible_stop_strings(env) -> None:
+    text = OutputText(Tokenizer.from_dir(env.tokenizer_dir), ["<stop>"])
+    deltas = [text.push(list(piece.encode())) for piece in ("ab<", "st", "x<s", "to", "p>tail")]
+    assert deltas == ["ab", "", "<stx", "", ""]
+    flushed = OutputText(Tokenizer.from_dir(env.tokenizer_dir), ["<stop>"])
+    assert [flushed.push(list(b"a<st")), flushed.push(list(b"o"), final=True)] == ["a", "<sto"]
+
+
+def test_deadline_is_passed_downstream(env) -> None:
+    fake_a = env.fakes[0]
+    with client(env.keyed, api_key="k-alice") as c:
+        c.generate("abc", max_new_tokens=3).result()
+    assert fake_a.deadlines[-1] is None
+    with client(env.keyed, api_key="k-alice", timeout=7.0) as c:
+        c.generate("abc", max_new_tokens=3).result()
+    assert fake_a.deadlines[-1] is not None and 6.0 < fake_a.deadlines[-1] < 7.1  # grpc rounds deadlines
+
+
+def test_info_and_models(env) -> None:
+    with client(env.plain) as c:
+        info = c.info()
+        assert (info.verifiers, info.verifiers_up, info.auth_required) == (2, 2, False)
+        assert info.model.name == "fake" and info.model.max_context == 4096
+        assert info.default_max_new_tokens == GatewayConfig.default_max_new_tokens
+        assert [m.name for m in c.list_models()] == ["fake"]
+
+
+def test_health_and_reflection(env) -> None:
+    with grpc.insecure_channel(f"127.0.0.1:{env.plain.port}") as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        for service in ("", "ddtree.v1.Gateway"):
+            reply = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        services = set(ProtoReflectionDescriptorDatabase(channel).get_services())
+    assert {"ddtree.v1.Gateway", "grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"} <= services
+
+
+def test_metrics_endpoint(env) -> None:
+    with client(env.plain) as c:
+        c.generate("Hi", max_new_tokens=5).result()
+        expect_error(Code.INVALID_ARGUMENT, lambda: c.generate(""))
+    env.stack.run(env.plain.core.refresh())
+    body = urllib.request.urlopen(f"http://127.0.0.1:{env.metrics_port}/metrics", timeout=5).read().decode()
+    for name in ("ddtree_gateway_ttft_seconds_bucket", "ddtree_gateway_inter_token_latency_seconds_bucket",
+                 "ddtree_gateway_e2e_latency_seconds_count", "ddtree_gateway_acceptance_length_bucket",
+                 "ddtree_gateway_drafted_tokens_total", "ddtree_gateway_accepted_tokens_total",
+                 "ddtree_gateway_kv_pages_used", "ddtree_gateway_kv_pages_free", "ddtree_gateway_active_sessions",
+                 'ddtree_gateway_errors_total{code="INVALID_ARGUMENT"}'):
+        assert name in body, name
+
+
+def _cli(*argv: str) -> None:
+    parser = argparse.ArgumentParser()
+    add_client_commands(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    args.run(args)
+
+
+def test_cli_generate_and_sessions(env, capsys: pytest.CaptureFixture[str]) -> None:
+    gateway = ("--gateway", f"127.0.0.1:{env.plain.port}")
+    _cli("generate", "Hi", "--max-new-tokens", "6", *gateway)
+    assert capsys.readouterr().out == REPLY[:6] + "\n"
+    _cli("generate", "Hi", "--max-new-tokens", "30", "--stop", "END", "--json", *gateway)
+    out = json.loads(capsys.readouterr().out)
+    assert out["text"] == REPLY[: REPLY.index("END")] and out["stop_reason"] == "stop_string"
+    assert out["acceptance_lengths"][:3] == [1, 2, 3] and out["timings"]["ttft_ms"] > 0
+    _cli("session", "create", "abc", *gateway)
+    handle = capsys.readouterr().out.strip()
+    _cli("session", "fork", handle, *gateway)
+    fork = capsys.readouterr().out.strip()
+    _cli("session", "get", fork, *gateway)
+    assert json.loads(capsys.readouterr().out)["num_tokens"] == 3
+    _cli("session", "list", *gateway)
+    assert {json.loads(line)["session"] for line in capsys.readouterr().out.splitlines()} == {handle, fork}
+    for h in (handle, fork):
+        _cli("session", "release", h, *gateway)
+    with pytest.raises(SystemExit) as exit_info:
+        _cli("session", "get", handle, *gateway)
+    assert exit_info.value.code == 1 and "NOT_FOUND" in capsys.readouterr().err
+
+
+def test_gateway_and_client_import_no_torch() -> None:
+    code = ("import sys, gateway.server, gateway.service, ddtree.client, ddtree.client_cli; "
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[1])
