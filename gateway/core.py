@@ -119,7 +119,8 @@ class GatewayCore:
                 request = verifier_pb2.VerifierGenerateRequest(session_id=entry.verifier_session_id,
                                                                append_token_ids=append, params=params,
                                                                keep_session=keep)
-                call = self.pool.stub(entry.verifier).Generate(request, timeout=timeout)
+                left = None if timeout is None else max(0.0, timeout - (self._clock() - started))
+                call = self.pool.stub(entry.verifier).Generate(request, timeout=left)
                 try:
                     async for step in call:
                         yield relay.chunk(step)

@@ -12,7 +12,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-# 24 random bytes = 192 bits: a handle cannot be guessed, only handed out.
+# 24 random bytes = 192 bits: a handle cannot be guessed, only handed out. Hex, so a handle never
+# starts with "-" (which a command line would take for an option).
 HANDLE_BYTES = 24
 
 
@@ -68,7 +69,7 @@ class SessionRegistry:
         if not self.can_create(owner):
             raise TooManySessions(f"this key already holds {self.max_sessions_per_key} sessions; "
                                   "release one first")
-        handle = secrets.token_urlsafe(HANDLE_BYTES)
+        handle = secrets.token_hex(HANDLE_BYTES)
         entry = SessionEntry(handle, owner, verifier, verifier_session_id, last_used=self._clock())
         self._entries[handle] = entry
         return entry
