@@ -9,7 +9,14 @@ from __future__ import annotations
 
 import torch
 
-from kernels.split_kv import SplitConfig, check_host_bounds, check_paged_kv, plan_splits, prefix_partials
+from kernels.split_kv import (
+    SplitConfig,
+    check_host_bounds,
+    check_paged_kv,
+    default_config,
+    plan_splits,
+    prefix_partials,
+)
 from kernels.verify_attention import merge_partials
 
 
@@ -24,12 +31,12 @@ def paged_decode_attention(
     cfg: SplitConfig | None = None,
 ) -> torch.Tensor:  # [B, Hq, D]
     """Each query attends to its sequence's first `seq_lens[b]` positions; `max_seq_len` bounds them."""
-    cfg = cfg or SplitConfig()
     check_paged_kv(q, k_pages, v_pages, block_tables, seq_lens)
     check_host_bounds(sm_scale, max_seq_len)
     if q.shape[0] != block_tables.shape[0]:
         raise ValueError("paged decode takes one query token per sequence")
     num_seqs, num_kv_heads = q.shape[0], k_pages.shape[2]
+    cfg = cfg or default_config(q.shape[1] // num_kv_heads, q.shape[2])
     cu_q = torch.arange(num_seqs + 1, dtype=torch.int32, device=q.device)  # one token each
     plan = plan_splits(num_seqs, num_kv_heads, q.shape[1] // num_kv_heads, max_seq_len, q.device, cfg)
     part_o, part_lse = prefix_partials(q, k_pages, v_pages, block_tables, seq_lens, cu_q, sm_scale, plan, cfg)

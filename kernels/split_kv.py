@@ -23,13 +23,27 @@ LOG2E = 1.4426950408889634
 
 @dataclass(frozen=True)
 class SplitConfig:
-    """Launch shape of the split-KV stage (tuned on an H200; see benchmarks/verify_attention.py)."""
+    """Launch shape of the split-KV stage; `default_config` holds the values tuned on an H200."""
 
-    block_m: int = 128  # cap on query rows (tokens x heads of a KV group) per tile
-    block_n: int = 64  # keys per inner step
-    num_warps: int = 8
-    num_stages: int = 3
-    programs_per_sm: int = 2  # the split count aims at this many resident programs per SM
+    block_m: int  # cap on query rows (tokens x heads of a KV group) per tile
+    block_n: int  # keys per inner step
+    num_warps: int
+    num_stages: int
+    programs_per_sm: int  # the split count aims at this many programs per SM, in one wave
+
+
+def default_config(rows: int, head_dim: int) -> SplitConfig:
+    """Tuned on an H200 (benchmarks/results/verify_attention.json, "sweep").
+
+    Up to 64 rows the prefix stage is bandwidth-bound: small tiles, two programs per SM keep enough
+    loads in flight. Past that it is compute-bound: the biggest tile that fits (one program per SM)
+    reads each K/V block once for the most rows.
+    """
+    if rows <= 64:
+        return SplitConfig(block_m=64, block_n=64, num_warps=4 if head_dim <= 128 else 8, num_stages=3,
+                           programs_per_sm=2)
+    return SplitConfig(block_m=256 if head_dim <= 128 else 128, block_n=64, num_warps=8, num_stages=2,
+                       programs_per_sm=1)
 
 
 @dataclass(frozen=True)
@@ -84,11 +98,11 @@ def _attend_kv_block(
     rows = page * stride_page + (offs % PAGE_SIZE) * stride_slot  # [BLOCK_N]
     k = tl.load(k_base + rows[:, None] + dims[None, :], mask=valid[:, None] if MASKED else None,
                 other=0.0 if MASKED else None)  # [BLOCK_N, D]
-    s = tl.dot(q, tl.trans(k)) * qk_scale  # [BLOCK_M, BLOCK_N]
+    s = tl.dot(q, tl.trans(k))  # [BLOCK_M, BLOCK_N], unscaled: the scale folds into one FMA below
     if MASKED:
         s = tl.where(valid[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    p = tl.math.exp2(s - m_new[:, None])
+    m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+    p = tl.math.exp2(s * qk_scale - m_new[:, None])
     alpha = tl.math.exp2(m_i - m_new)
     v = tl.load(v_base + rows[:, None] + dims[None, :], mask=valid[:, None] if MASKED else None,
                 other=0.0 if MASKED else None)  # [BLOCK_N, D]

@@ -20,6 +20,7 @@ from kernels.split_kv import (
     SplitPlan,
     check_host_bounds,
     check_paged_kv,
+    default_config,
     plan_splits,
     prefix_partials,
 )
@@ -40,13 +41,13 @@ def _attend_tree_block(
     dims = tl.arange(0, HEAD_DIM)
     kv_rows = (q_start + cols) * stride_tn
     k = tl.load(tree_k_ptr + kv_rows[:, None] + dims[None, :], mask=col_ok[:, None], other=0.0)
-    s = tl.dot(q, tl.trans(k)) * qk_scale  # [BLOCK_M, BLOCK_T]
+    s = tl.dot(q, tl.trans(k))  # [BLOCK_M, BLOCK_T], unscaled
     words = tl.load(mask_rows[:, None] + cols[None, :] // 32, mask=row_ok[:, None] & col_ok[None, :], other=0)
     visible = ((words >> (cols[None, :] % 32)) & 1) != 0
     s = tl.where(visible, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # NOTE: a row may see nothing in this block
-    p = tl.math.exp2(s - m_safe[:, None])
+    p = tl.math.exp2(s * qk_scale - m_safe[:, None])
     alpha = tl.math.exp2(m_i - m_safe)
     v = tl.load(tree_v_ptr + kv_rows[:, None] + dims[None, :], mask=col_ok[:, None], other=0.0)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
@@ -175,12 +176,12 @@ def hybrid_verify_attention(
     `max_prefix_len` and `max_tree_len` are host-side upper bounds on `prefix_lens` and on the tree
     sizes in `cu_tree`: the launch shapes come from them, so nothing here waits on the GPU.
     """
-    cfg = cfg or SplitConfig()
     check_paged_kv(q, k_pages, v_pages, block_tables, prefix_lens)
     check_host_bounds(sm_scale, max_prefix_len, max_tree_len)
     num_kv_heads = k_pages.shape[2]
     _check_tree(q, tree_k, tree_v, cu_tree, tree_mask, num_kv_heads, block_tables.shape[0], max_tree_len)
     rows = q.shape[1] // num_kv_heads * max_tree_len
+    cfg = cfg or default_config(rows, q.shape[2])
     plan = plan_splits(block_tables.shape[0], num_kv_heads, rows, max_prefix_len, q.device, cfg)
     part_o, part_lse = prefix_partials(q, k_pages, v_pages, block_tables, prefix_lens, cu_tree, sm_scale,
                                        plan, cfg)

@@ -37,6 +37,11 @@ pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:Runtim
 TOL = {torch.float32: (1e-4, 1e-4), torch.float16: (3e-3, 1e-2), torch.bfloat16: (1.5e-2, 2e-2)}
 
 
+def small_config(**overrides: int) -> SplitConfig:
+    """Interpreter-sized launch shapes: small key blocks so short prefixes still span several blocks."""
+    return SplitConfig(**{**dict(block_m=128, block_n=64, num_warps=4, num_stages=2, programs_per_sm=2), **overrides})
+
+
 def random_tree_mask(size: int, gen: torch.Generator) -> torch.Tensor:
     """`[size, size]` bool: each node sees itself and its ancestors; parent index < own index."""
     mask = torch.eye(size, dtype=torch.bool)
@@ -87,9 +92,9 @@ def check_verify(case: dict, lens: list[int], trees: list[int], cfg: SplitConfig
 
 # lens, trees, (hq, hkv), d, page size, dtype, config
 CPU_VERIFY = [
-    ([37, 0, 100], [5, 3, 0], (8, 2), 32, 16, torch.float16, SplitConfig(block_n=16)),
-    ([200, 77], [7, 1], (4, 4), 64, 64, torch.float32, SplitConfig(block_n=16)),
-    ([130], [64], (8, 1), 32, 64, torch.float16, SplitConfig(block_m=64, block_n=32)),
+    ([37, 0, 100], [5, 3, 0], (8, 2), 32, 16, torch.float16, small_config(block_n=16)),
+    ([200, 77], [7, 1], (4, 4), 64, 64, torch.float32, small_config(block_n=16)),
+    ([130], [64], (8, 1), 32, 64, torch.float16, small_config(block_m=64, block_n=32)),
     ([45, 3], [200, 17], (4, 1), 16, 16, torch.float16, None),
     ([0, 0], [7, 33], (2, 2), 16, 16, torch.float32, None),
 ]
@@ -112,7 +117,7 @@ def test_verify_attention_random_interpreter(seed):
     hkv, group = pick([1, 2]), pick([1, 4, 8])
     dtype = pick([torch.float16, torch.float32])
     case = verify_case(lens, trees, hkv * group, hkv, 16, pick([16, 64]), dtype, seed=seed)
-    check_verify(case, lens, trees, SplitConfig(block_n=pick([16, 64])))
+    check_verify(case, lens, trees, small_config(block_n=pick([16, 64])))
 
 
 def check_decode(lens: list[int], hq: int, hkv: int, d: int, page_size: int, dtype: torch.dtype,
@@ -137,7 +142,7 @@ def check_decode(lens: list[int], hq: int, hkv: int, d: int, page_size: int, dty
     ([300, 5], (4, 4), 64, torch.float32),
 ])
 def test_paged_decode_interpreter(lens, heads, page_size, dtype):
-    check_decode(lens, *heads, 32, page_size, dtype, SplitConfig(block_n=16))
+    check_decode(lens, *heads, 32, page_size, dtype, small_config(block_n=16))
 
 
 def check_commit(dtype: torch.dtype, layers: int = 3) -> None:
