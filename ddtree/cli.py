@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ddtree.client_cli import add_client_commands
+
 
 def _make_tiny_model(args: argparse.Namespace) -> None:
     from pathlib import Path
@@ -53,11 +55,49 @@ def _offline(args: argparse.Namespace) -> None:
               f"stop: {result.stop_reason}]", file=sys.stderr)
 
 
+DEMO_PROMPT = "The cat sat on the mat. The cat sat on the mat. The cat"
+
+
+def _serve(args: argparse.Namespace) -> None:
+    import signal
+
+    from ddtree.local_stack import LocalStack, ensure_tiny_model
+
+    target, drafter = args.target, args.drafter
+    if target is None:
+        tiny_target, tiny_drafter = ensure_tiny_model()
+        target, drafter = str(tiny_target), drafter or str(tiny_drafter)
+    stack = LocalStack(target, drafter or "ngram", args.drafters, args.device, args.listen, log_dir=args.log_dir)
+    print(f"starting {args.drafters} drafter(s) ({stack.drafter}), verifier and gateway for {target} ...",
+          file=sys.stderr)
+    with stack:
+        print(f"gateway listening on {args.listen}", flush=True)
+        if args.demo:
+            _demo(args.listen)
+            return
+        # NOTE: block only now: children inherit the signal mask, and they must stay stoppable.
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+        signal.sigwait({signal.SIGINT, signal.SIGTERM})
+
+
+def _demo(gateway: str) -> None:
+    from ddtree.client import Client
+
+    generation = Client(gateway).generate(DEMO_PROMPT, max_new_tokens=32)
+    print(f"> {DEMO_PROMPT}")
+    for chunk in generation:
+        print(chunk.text, end="", flush=True)
+    summary = generation.summary
+    print(f"\n[{summary.generated_tokens} tokens, mean acceptance {summary.mean_acceptance_length:.2f}, "
+          f"TTFT {summary.ttft_ms:.0f} ms, {summary.tokens_per_second:.1f} tokens/s]")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ddtree", description="DDTree speculative decoding over gRPC")
     commands = parser.add_subparsers(dest="command", required=True)
 
-    tiny = commands.add_parser("make-tiny-model", help="write a small random Qwen3 target and DFlash drafter (HF formats) into DIR/target and DIR/dflash")
+    tiny = commands.add_parser("make-tiny-model", help="write a small random Qwen3 target (DIR/target) and "
+                               "DFlash drafter (DIR/dflash) in HF formats")
     tiny.add_argument("directory")
     tiny.add_argument("--seed", type=int, default=0)
     tiny.set_defaults(run=_make_tiny_model)
@@ -83,6 +123,19 @@ def build_parser() -> argparse.ArgumentParser:
     offline.add_argument("--kv-budget-mb", type=int, default=256)
     offline.add_argument("--json", action="store_true", help="print one JSON object")
     offline.set_defaults(run=_offline)
+
+    serve = commands.add_parser("serve", help="start gateway, verifier and drafters as local processes")
+    serve.add_argument("--target", help="HF checkpoint directory (default: the tiny built-in model)")
+    serve.add_argument("--drafter", help="DFlash checkpoint directory or 'ngram' (default: the tiny DFlash "
+                       "drafter with the built-in model, else ngram)")
+    serve.add_argument("--drafters", type=int, default=1, help="drafter replicas")
+    serve.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    serve.add_argument("--listen", default="127.0.0.1:50051", help="the gateway's address")
+    serve.add_argument("--log-dir", help="write each process's log here")
+    serve.add_argument("--demo", action="store_true", help="send one sample request, print it, stop")
+    serve.set_defaults(run=_serve)
+
+    add_client_commands(commands)
     return parser
 
 

@@ -23,7 +23,7 @@ SERVICE_NAME = verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ddtree-verifier", description="the verifier service")
     parser.add_argument("--target", required=True, help="HF checkpoint directory of the target model")
-    parser.add_argument("--listen", default="127.0.0.1:50051")
+    parser.add_argument("--listen", default="127.0.0.1:50053")
     parser.add_argument("--drafters", default="", help="host:port,... or dns:///name:port; empty = no speculation")
     parser.add_argument("--tree-budget", type=int, default=15)
     parser.add_argument("--draft-timeout-s", type=float, default=2.0)
