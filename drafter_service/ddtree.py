@@ -1,0 +1,93 @@
+"""DDTree: the draft tree of `budget` nodes that maximizes the sum of path probabilities.
+
+DESIGN.md section 4. The drafter gives one log-probability row per depth (the same distribution for
+every node at that depth), so a node's path log-prob is the sum of its ranks' log-probs along the path
+and the best `budget` prefixes can be popped best-first from a heap. The top-k runs on the drafter's
+device; the heap runs on the CPU over plain Python floats (no per-node tensor ops), which keeps it
+well under a millisecond for budget 256 (benchmarks/ddtree_builder.py).
+
+Tie-breaking (deterministic, documented because acceptance depends on it):
+- within a depth, equal log-probs are ranked by token id, lowest first (among the top-k kept; which
+  tokens tie at the k-th boundary is torch.topk's choice);
+- in the heap, equal path log-probs pop shallower first, then the child of the earlier node, then the
+  lower rank. This key is a total order, so the tree never depends on heap internals.
+"""
+
+from __future__ import annotations
+
+import heapq
+
+import torch
+
+from modeling.tree import DraftTree
+
+
+def top_k_per_depth(logp: torch.Tensor, budget: int, top_k: int | None = None) -> tuple[list, list]:
+    """Top K = min(budget, V, top_k) tokens per depth, sorted by (log-prob desc, token id asc).
+
+    Works on logp's own device; one device->host transfer of the [..., K] values and indices.
+    logp: [..., D, V] -> (values, token ids) as nested lists of shape [..., D, K].
+    """
+    k = min(budget, logp.shape[-1], top_k if top_k is not None else budget)
+    values, ids = torch.topk(logp, k, dim=-1, sorted=True)  # [..., D, K]
+    # NOTE: topk's order among equal values is unspecified; make it lowest token id first.
+    ids, by_id = torch.sort(ids, dim=-1)
+    values = torch.gather(values, -1, by_id)
+    values, by_value = torch.sort(values, dim=-1, descending=True, stable=True)
+    ids = torch.gather(ids, -1, by_value)
+    return values.double().cpu().tolist(), ids.cpu().tolist()
+
+
+def best_first_tree(values: list[list[float]], ids: list[list[int]], budget: int) -> DraftTree:
+    """The heap part: pop the `budget` most probable prefixes from per-depth sorted top-k lists.
+
+    values, ids: [D, K] plain Python lists, each row sorted best first. A heap entry is
+    (-path_logp, depth, parent node, rank); popping it adds token ids[depth-1][rank] under parent,
+    then pushes its next sibling and its first child.
+    """
+    num_depths = len(values)
+    if budget <= 0 or num_depths == 0 or not values[0]:
+        return DraftTree.empty()
+    tokens: list[int] = []
+    parents: list[int] = []
+    depths: list[int] = []
+    scores: list[float] = []
+    heap = [(-values[0][0], 1, -1, 0)]
+    pop, push = heapq.heappop, heapq.heappush
+    while heap and len(tokens) < budget:
+        neg, depth, parent, rank = pop(heap)
+        node = len(tokens)
+        row = values[depth - 1]
+        tokens.append(ids[depth - 1][rank])
+        parents.append(parent)
+        depths.append(depth)
+        scores.append(-neg)
+        if rank + 1 < len(row):
+            base = scores[parent] if parent >= 0 else 0.0
+            push(heap, (-(base + row[rank + 1]), depth, parent, rank + 1))
+        if depth < num_depths:
+            push(heap, (neg - values[depth][0], depth + 1, node, 0))
+    return DraftTree(tuple(tokens), tuple(parents), tuple(depths), tuple(scores))
+
+
+def build_ddtree(logp: torch.Tensor, budget: int, top_k: int | None = None) -> DraftTree:
+    """One session's tree from its per-depth log-probs.
+
+    logp: [B-1, V], row d-1 = depth d, on any device. `top_k` caps K further: budget = B-1 with
+    top_k = 1 gives the plain DFlash chain of argmax tokens.
+    """
+    if budget <= 0 or logp.shape[0] == 0:
+        return DraftTree.empty()
+    values, ids = top_k_per_depth(logp, budget, top_k)
+    return best_first_tree(values, ids, budget)
+
+
+def build_ddtrees(logp: torch.Tensor, budget: int, top_k: int | None = None) -> list[DraftTree]:
+    """Trees for several sessions with one top-k call and one transfer.
+
+    logp: [S, B-1, V]; returns S trees, equal to build_ddtree on each session's rows.
+    """
+    if budget <= 0 or logp.shape[1] == 0:
+        return [DraftTree.empty() for _ in range(logp.shape[0])]
+    values, ids = top_k_per_depth(logp, budget, top_k)
+    return [best_first_tree(v, i, budget) for v, i in zip(values, ids)]

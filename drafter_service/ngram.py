@@ -1,0 +1,142 @@
+"""The n-gram (prompt lookup) drafter: no weights, CPU.
+
+It guesses that the text repeats itself: the longest suffix n-gram of a session's history that occurred
+before is looked up, and what followed its earlier occurrences becomes the draft. Continuations of
+different occurrences share prefixes, so they form a trie; the tree keeps the `budget` trie nodes that
+the most occurrences pass through (the most frequent prefixes: DDTree's rule with the empirical
+conditional distribution), shallower first on equal counts.
+
+Trie vs per-depth distributions fed to the DDTree builder, measured as greedy mean acceptance length
+(bonus included, max depth 15, min_n 1, max_n 4) by replaying 30 Python stdlib files (112k word-level
+tokens) as the target's own output: budget 15: trie 1.786, per-depth 1.755 (trie with recency-only
+ties: 1.733); budget 63: trie 1.885, per-depth 1.880. The trie wins or ties, with no V-wide rows to build.
+
+The history holds the committed tokens followed by the pending token (the tree's root): after a verify
+step, extend() it with the accepted tokens and the new pending token.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from modeling.tree import DraftTree
+
+
+@dataclass
+class _Session:
+    """One session's tokens and, per n, where each n-gram's continuations start."""
+
+    tokens: list[int] = field(default_factory=list)
+    # index[n - min_n][ngram] = ascending positions p with tokens[p - n:p] == ngram
+    index: list[dict[tuple[int, ...], list[int]]] = field(default_factory=list)
+
+
+class NgramDrafter:
+    """Per-session prompt-lookup drafting from an incrementally updated n-gram index.
+
+    min_n, max_n: n-gram sizes tried, longest first; the longest one that occurred before wins.
+    max_matches: the most recent occurrences used (bounds the trie at max_matches x max_depth nodes).
+    """
+
+    def __init__(self, min_n: int = 1, max_n: int = 4, max_matches: int = 64) -> None:
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"need 1 <= min_n ({min_n}) <= max_n ({max_n})")
+        if max_matches < 1:
+            raise ValueError(f"max_matches ({max_matches}) must be at least 1")
+        self.min_n, self.max_n, self.max_matches = min_n, max_n, max_matches
+        self._sessions: dict[str, _Session] = {}
+
+    def open(self, session_id: str, tokens: list[int]) -> None:
+        """Start (or restart) a session from its history; the last token is the pending token."""
+        session = _Session(index=[{} for _ in range(self.min_n, self.max_n + 1)])
+        self._sessions[session_id] = session
+        self._append(session, tokens)
+
+    def extend(self, session_id: str, new_tokens: list[int]) -> None:
+        """Append newly committed tokens and the new pending token; O(len(new_tokens) x n sizes)."""
+        self._append(self._sessions[session_id], new_tokens)
+
+    def close(self, session_id: str) -> None:
+        self._sessions.pop(session_id, None)
+
+    def __contains__(self, session_id: str) -> bool:
+        return session_id in self._sessions
+
+    def draft(self, session_id: str, budget: int, max_depth: int) -> DraftTree:
+        """A tree of at most `budget` nodes and depth `max_depth` under the last history token."""
+        session = self._sessions[session_id]
+        if budget <= 0 or max_depth <= 0:
+            return DraftTree.empty()
+        tokens = session.tokens
+        return _trie_tree([_continuation(tokens, p, max_depth) for p in self._match_starts(session)], budget)
+
+    def _append(self, session: _Session, new_tokens: list[int]) -> None:
+        tokens = session.tokens
+        old_len = len(tokens)
+        tokens.extend(int(t) for t in new_tokens)
+        for n, grams in zip(range(self.min_n, self.max_n + 1), session.index):
+            first_end = max(n, old_len + 1)
+            # the n-grams ending at first_end, first_end + 1, ..., len(tokens), as tuples
+            ngrams = zip(*(tokens[first_end - n + i:] for i in range(n)))
+            for end, ngram in enumerate(ngrams, start=first_end):
+                grams.setdefault(ngram, []).append(end)
+
+    def _match_starts(self, session: _Session) -> list[int]:
+        """Continuation starts of the longest earlier-seen suffix n-gram, most recent first."""
+        tokens = session.tokens
+        for n in range(min(self.max_n, len(tokens)), self.min_n - 1, -1):
+            positions = session.index[n - self.min_n].get(tuple(tokens[-n:]), [])
+            # NOTE: the last position is the suffix itself (it ends the history): not a match.
+            earlier = positions[-1 - self.max_matches:-1]
+            if earlier:
+                return earlier[::-1]
+        return []
+
+
+def _continuation(tokens: list[int], start: int, length: int) -> list[int]:
+    """What followed position `start`, as if the text after the history repeats what followed `start`.
+
+    A match close to the end runs out of history; the match itself says the text is periodic with
+    period len(tokens) - start there, so the continuation wraps (a repeated token drafts a full chain).
+    """
+    head = tokens[start:start + length]
+    return head if len(head) == length else (head * -(-length // len(head)))[:length]
+
+
+def _trie_tree(continuations: list[list[int]], budget: int) -> DraftTree:
+    """Keep the `budget` trie nodes with the highest counts; ties go shallower, then earlier-created.
+
+    Continuations come most recent first, so among equal counts and depths the recent occurrence wins;
+    shallower-first on ties spreads the budget over alternatives instead of one long single-match chain
+    (measured: better acceptance, see the module docstring). A child's count never exceeds its parent's
+    and the child is deeper, so sorting by (-count, depth, creation order) lists parents first: the kept
+    prefix is a tree in topological order.
+    """
+    children: list[dict[int, int]] = [{}]  # trie node 0 = the root
+    token_of, parent_of, depth_of, count = [-1], [-1], [0], [len(continuations)]
+    for continuation in continuations:
+        node = 0
+        for token in continuation:
+            child = children[node].get(token)
+            if child is None:
+                child = len(token_of)
+                children[node][token] = child
+                children.append({})
+                token_of.append(token)
+                parent_of.append(node)
+                depth_of.append(depth_of[node] + 1)
+                count.append(0)
+            count[child] += 1
+            node = child
+    kept = sorted(range(1, len(token_of)), key=lambda i: (-count[i], depth_of[i], i))[:budget]
+    position = {0: -1}
+    tokens, parents, depths, logprobs = [], [], [], []
+    for i in kept:
+        parent = position[parent_of[i]]
+        position[i] = len(tokens)
+        tokens.append(token_of[i])
+        parents.append(parent)
+        depths.append(depth_of[i])
+        logprobs.append(math.log(count[i] / count[0]))
+    return DraftTree(tuple(tokens), tuple(parents), tuple(depths), tuple(logprobs))

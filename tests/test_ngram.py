@@ -1,0 +1,92 @@
+"""n-gram drafter: continuation chains, branching, no match, limits, incremental index."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from drafter_service.ngram import NgramDrafter
+from modeling.tree import DraftTree
+
+
+def _drafter(tokens: list[int], **kwargs: int) -> NgramDrafter:
+    drafter = NgramDrafter(**kwargs)
+    drafter.open("s", tokens)
+    return drafter
+
+
+def test_repetitive_history_drafts_the_obvious_chain() -> None:
+    tree = _drafter([1, 2, 3, 4, 5, 1, 2, 3]).draft("s", budget=8, max_depth=3)
+    tree.validate(10, 8)
+    assert tree.tokens == (4, 5, 1)
+    assert (tree.parents, tree.depths) == (DraftTree.chain([4, 5, 1]).parents, (1, 2, 3))
+
+
+def test_a_periodic_tail_wraps_into_a_full_chain() -> None:
+    tree = _drafter([7, 9, 9, 9, 9]).draft("s", budget=10, max_depth=5)
+    assert tree.tokens == (9, 9, 9, 9, 9)
+    assert tree.parents == (-1, 0, 1, 2, 3)
+
+
+def test_different_continuations_branch_by_frequency() -> None:
+    # "5 6" was followed by 1 twice and by 2 once: the 1-branch ranks first, then the 2-branch
+    history = [5, 6, 1, 3, 0, 5, 6, 2, 4, 0, 5, 6, 1, 3, 0, 5, 6]
+    tree = _drafter(history, min_n=2, max_n=2).draft("s", budget=4, max_depth=2)
+    tree.validate(10, 4)
+    paths = [tuple(tree.tokens[i] for i in tree.path_to(n)) for n in range(len(tree))]
+    assert paths == [(1,), (1, 3), (2,), (2, 4)]
+    assert tree.logprobs[0] == pytest.approx(tree.logprobs[1])
+    assert tree.logprobs[0] > tree.logprobs[2]
+
+
+def test_longest_suffix_match_wins() -> None:
+    # the 1-gram "3" was followed by 8 and 9, but the 2-gram "2 3" only by 9
+    tree = _drafter([3, 8, 2, 3, 9, 0, 2, 3], min_n=1, max_n=3).draft("s", budget=5, max_depth=1)
+    assert tree.tokens == (9,)
+
+
+def test_no_match_gives_an_empty_tree() -> None:
+    drafter = _drafter([1, 2, 3, 4], min_n=2)
+    assert len(drafter.draft("s", budget=10, max_depth=4)) == 0
+    drafter.open("t", [5])
+    assert len(drafter.draft("t", budget=10, max_depth=4)) == 0
+
+
+@pytest.mark.parametrize("budget,max_depth", [(1, 1), (3, 8), (16, 2), (64, 16)])
+def test_budget_and_depth_limits(budget: int, max_depth: int) -> None:
+    rng = random.Random(0)
+    history = [rng.randrange(4) for _ in range(500)]
+    tree = _drafter(history).draft("s", budget=budget, max_depth=max_depth)
+    tree.validate(4, budget)
+    assert 0 < len(tree) <= budget
+    assert tree.max_depth() <= max_depth
+
+
+def test_incremental_extend_equals_a_fresh_open() -> None:
+    rng = random.Random(1)
+    history = [rng.randrange(6) for _ in range(300)]
+    incremental = _drafter(history[:10], min_n=1, max_n=5, max_matches=8)
+    fresh = NgramDrafter(min_n=1, max_n=5, max_matches=8)
+    end = 10
+    while end < len(history):
+        step = rng.randrange(1, 6)
+        incremental.extend("s", history[end:end + step])
+        end = min(end + step, len(history))
+        fresh.open("s", history[:end])
+        assert incremental.draft("s", 20, 6) == fresh.draft("s", 20, 6)
+
+
+def test_close_forgets_the_session() -> None:
+    drafter = _drafter([1, 2, 1, 2])
+    drafter.close("s")
+    assert "s" not in drafter
+    with pytest.raises(KeyError):
+        drafter.draft("s", 4, 4)
+
+
+def test_equal_counts_prefer_shallow_then_recent() -> None:
+    # "4" was followed by 1 2 and (more recently) by 3 5: every trie node has count 1
+    tree = _drafter([4, 1, 2, 0, 4, 3, 5, 0, 4], min_n=1, max_n=1).draft("s", budget=3, max_depth=2)
+    paths = [tuple(tree.tokens[i] for i in tree.path_to(n)) for n in range(len(tree))]
+    assert paths == [(3,), (1,), (3, 5)]
