@@ -63,6 +63,10 @@ class NgramDrafter:
     def __contains__(self, session_id: str) -> bool:
         return session_id in self._sessions
 
+    def history(self, session_id: str) -> list[int]:
+        """The session's tokens: committed ones, then the pending token once a step added it."""
+        return self._sessions[session_id].tokens
+
     def draft(self, session_id: str, budget: int, max_depth: int) -> DraftTree:
         """A tree of at most `budget` nodes and depth `max_depth` under the last history token."""
         session = self._sessions[session_id]
