@@ -26,6 +26,7 @@ from kernels.split_kv import (
 )
 
 MERGE_BLOCK_M = 16  # small row tiles: many programs share the partials' read traffic
+MERGE_STAGES = 4  # partials in flight per program: the split loop is latency-bound, not compute-bound
 MAX_TREE_LEN = 256
 
 
@@ -62,7 +63,7 @@ def _tree_merge_kernel(
     stride_qn, stride_qh, stride_tn, stride_th, stride_mn, stride_on, stride_oh,
     stride_ps, stride_pn, stride_ph, stride_ls, stride_ln,
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr, HAS_TREE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr, HAS_TREE: tl.constexpr, MERGE_STAGES: tl.constexpr,
 ):
     m_block = tl.program_id(0)
     seq = tl.program_id(1) // NUM_KV_HEADS
@@ -91,7 +92,7 @@ def _tree_merge_kernel(
                                                q_len, t0, qk_scale, stride_tn, HEAD_DIM, BLOCK_T)
 
     num_splits = tl.cdiv(tl.load(prefix_lens_ptr + seq), chunk_len)
-    for split in range(num_splits):
+    for split in tl.range(num_splits, num_stages=MERGE_STAGES):
         lse = tl.load(part_lse_ptr + split * stride_ls + token * stride_ln + head, mask=row_ok, other=0.0)
         part = split * stride_ps + token * stride_pn + head * stride_ph
         o = tl.load(part_o_ptr + part[:, None] + dims[None, :], mask=row_ok[:, None], other=0.0)
@@ -134,7 +135,7 @@ def merge_partials(
         part_lse.stride(0), part_lse.stride(1),
         NUM_KV_HEADS=num_kv_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_M=MERGE_BLOCK_M,
         BLOCK_T=max(16, min(64, triton.next_power_of_2(max_q_len))), HAS_TREE=tree is not None,
-        num_warps=4, num_stages=2,
+        MERGE_STAGES=MERGE_STAGES, num_warps=4, num_stages=2,
     )
     return out
 
