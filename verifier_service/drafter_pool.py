@@ -229,9 +229,7 @@ class DrafterPool:
         try:
             reply = await link.ask(session_id, step, request, self.timeout_s)
         except (ConnectionError, asyncio.TimeoutError):
-            if not link.alive:
-                state.link = None
-            return None
+            return None  # NOTE: a dead link stays recorded, so the next step re-seeds and counts it
         if reply.WhichOneof("kind") == "error":
             if reply.error.code == grpc.StatusCode.NOT_FOUND.value[0]:
                 state.link = None

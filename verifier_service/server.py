@@ -31,7 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dtype", default=None, help="float32 | float16 | bfloat16 (default: checkpoint's)")
     parser.add_argument("--attention", default="torch", choices=["torch", "triton"])
     parser.add_argument("--page-size", type=int, default=64)
-    parser.add_argument("--kv-budget-mb", type=int, default=256)
+    parser.add_argument("--kv-budget-mb", type=float, default=256)
     parser.add_argument("--max-tree-nodes", type=int, default=255)
     parser.add_argument("--max-context", type=int, default=None)
     parser.add_argument("--prefill-chunk", type=int, default=512)
@@ -40,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def engine_config(args: argparse.Namespace, checkpoint_dtype: str) -> EngineConfig:
-    return EngineConfig(page_size=args.page_size, kv_budget_bytes=args.kv_budget_mb << 20,
+    return EngineConfig(page_size=args.page_size, kv_budget_bytes=int(args.kv_budget_mb * (1 << 20)),
                         max_tree_nodes=args.max_tree_nodes, prefill_chunk=args.prefill_chunk,
                         max_batch_tokens=max(2048, args.prefill_chunk), max_context=args.max_context,
                         dtype=args.dtype or checkpoint_dtype, device=args.device, attention=args.attention)

@@ -1,0 +1,195 @@
+"""The real services over real gRPC on loopback: gateway -> verifier <-> two DFlash drafter replicas,
+each a separate process (the local stack), against `ddtree offline` computed in this process."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import threading
+import time
+import urllib.request
+
+import grpc
+import pytest
+
+from ddtree.client import AsyncClient, Client
+from ddtree.local_stack import LocalStack, free_port
+from ddtree.offline import generate_offline
+from modeling.tiny import make_tiny_drafter
+from proto import verifier_pb2, verifier_pb2_grpc
+from tests.engine_helpers import make_engine
+from verifier_service.engine.sampling import SamplingParams
+
+MAX_NEW = 24
+KV_PAGES = 160  # of 16 tokens: the verifier's --kv-budget-mb below holds exactly this many
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_target, tmp_path_factory):
+    drafter = make_tiny_drafter(tmp_path_factory.mktemp("dflash"), tiny_target, seed=1)
+    metrics_port = free_port()
+    page_bytes = 2 * 4 * 16 * 2 * 16 * 4  # K+V, 4 layers, 16 slots, 2 kv heads, head_dim 16, fp32
+    stack = LocalStack(str(tiny_target), str(drafter), drafters=2, gateway_listen=f"127.0.0.1:{free_port()}",
+                       verifier_args=("--page-size", "16", "--kv-budget-mb", str(KV_PAGES * page_bytes / (1 << 20)),
+                                      "--max-context", "4096", "--metrics-port", str(metrics_port),
+                                      "--tree-budget", "8"),
+                       log_dir=tmp_path_factory.mktemp("logs"))
+    stack.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
+    with stack:
+        yield stack
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_target):
+    """Plain greedy decoding in this process: what every speculative path must reproduce."""
+    engine = make_engine(tiny_target, page_size=64)
+
+    def expected(prompt_ids: list[int], max_new: int = MAX_NEW) -> list[int]:
+        return generate_offline(engine, None, prompt_ids, SamplingParams(max_new_tokens=max_new)).token_ids
+    expected.encode = engine.tokenizer.encode
+    return expected
+
+
+def client(stack) -> Client:
+    return Client(stack.addresses["gateway"], timeout=60)
+
+
+def verifier_metric(stack, name: str, label: str = "") -> float:
+    text = urllib.request.urlopen(stack.metrics_url, timeout=5).read().decode()
+    pattern = rf"^{name}(?:_total)?{re.escape(label)} ([0-9.e+]+)$"
+    return sum(float(m) for m in re.findall(pattern, text, flags=re.M))
+
+
+def verifier_info(stack) -> verifier_pb2.VerifierInfoReply:
+    with grpc.insecure_channel(stack.addresses["verifier"]) as channel:
+        return verifier_pb2_grpc.VerifierStub(channel).Info(verifier_pb2.VerifierInfoRequest(), timeout=5)
+
+
+def free_pages(stack) -> int:
+    return verifier_info(stack).free_pages
+
+
+def test_greedy_through_the_gateway_equals_offline(stack, reference) -> None:
+    text = "speculation must not change a single token"
+    generation = client(stack).generate(text, max_new_tokens=MAX_NEW)
+    chunks = list(generation)
+    assert generation.token_ids == reference(reference.encode(text))
+    assert sum(len(c.token_ids) for c in chunks) == len(generation.token_ids)
+    assert generation.summary.mean_acceptance_length >= 1.0 and generation.summary.ttft_ms > 0
+
+
+def test_three_turns_equal_one_generation_over_the_concatenation(stack, reference) -> None:
+    c = client(stack)
+    turns = ["first turn. ", "second turn! ", "third?"]
+    history: list[int] = []
+    handle = ""
+    for turn in turns:
+        generation = c.generate(turn, session=handle or None, keep_session=True, max_new_tokens=MAX_NEW)
+        generation.result()
+        handle = generation.summary.session
+        history += reference.encode(turn)
+        assert generation.token_ids == reference(history)
+        history += generation.token_ids
+    c.release_session(handle)
+
+
+def test_fork_continues_both_branches_exactly(stack, reference) -> None:
+    c = client(stack)
+    base = c.generate("a shared prefix for two branches", keep_session=True, max_new_tokens=MAX_NEW)
+    base.result()
+    history = reference.encode("a shared prefix for two branches") + base.token_ids
+    fork = c.fork_session(base.summary.session).session
+    assert c.get_session(fork).pages_shared > 0
+    for handle, turn in ((base.summary.session, " left"), (fork, " right")):
+        generation = c.generate(turn, session=handle, max_new_tokens=MAX_NEW)
+        assert generation.result() and generation.token_ids == reference(history + reference.encode(turn))
+        c.release_session(handle)
+
+
+def test_concurrent_clients_are_exact_use_both_replicas_and_leak_no_pages(stack, reference) -> None:
+    prompts = [f"client {i} asks: what comes next after {i * 7}?" for i in range(32)]
+    before = {r: verifier_metric(stack, "ddtree_verifier_trees", f'{{replica="drafter-{r}"}}') for r in (0, 1)}
+
+    async def run_all() -> list[list[int]]:
+        c = AsyncClient(stack.addresses["gateway"], timeout=120)
+
+        async def one(prompt: str) -> list[int]:
+            generation = c.generate(prompt, max_new_tokens=MAX_NEW)
+            await generation.result()
+            return generation.token_ids
+        return await asyncio.gather(*(one(p) for p in prompts))
+
+    outputs = asyncio.run(run_all())
+    assert outputs == [reference(reference.encode(p)) for p in prompts]
+    after = {r: verifier_metric(stack, "ddtree_verifier_trees", f'{{replica="drafter-{r}"}}') for r in (0, 1)}
+    assert all(after[r] > before[r] for r in (0, 1)), (before, after)
+    assert free_pages(stack) == KV_PAGES
+
+
+def test_bad_inputs_get_their_status_codes(stack) -> None:
+    c = client(stack)
+    cases = [
+        (lambda: c.generate("", max_new_tokens=4).result(), grpc.StatusCode.INVALID_ARGUMENT, "text"),
+        (lambda: c.generate("x" * 4100, max_new_tokens=4).result(), grpc.StatusCode.INVALID_ARGUMENT, "context"),
+        (lambda: c.generate("hi", temperature=-1.0).result(), grpc.StatusCode.INVALID_ARGUMENT, "temperature"),
+        (lambda: c.generate("hi", top_p=7.0).result(), grpc.StatusCode.INVALID_ARGUMENT, "top_p"),
+        (lambda: c.generate("hi", session="0" * 48).result(), grpc.StatusCode.NOT_FOUND, ""),
+    ]
+    for call, code, field in cases:
+        with pytest.raises(grpc.RpcError) as error:
+            call()
+        assert error.value.code() == code and field in error.value.details(), error.value.details()
+
+
+def test_kv_full_is_resource_exhausted_and_spares_other_sessions(stack, reference) -> None:
+    c = client(stack)
+    keep = c.generate("a session that must survive", keep_session=True, max_new_tokens=4)
+    keep.result()
+    with pytest.raises(grpc.RpcError) as error:
+        c.generate("y" * 3000, max_new_tokens=4).result()  # 188 pages of 16 tokens > 160
+    assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    generation = c.generate(" and it does", session=keep.summary.session, max_new_tokens=MAX_NEW)
+    history = reference.encode("a session that must survive") + keep.token_ids + reference.encode(" and it does")
+    assert generation.result() and generation.token_ids == reference(history)
+    c.release_session(keep.summary.session)
+    assert free_pages(stack) == KV_PAGES
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_cancel_mid_stream_stops_and_releases_or_keeps(stack, keep: bool) -> None:
+    c = client(stack)
+    generation = c.generate("cancel me after the first chunk", keep_session=keep, max_new_tokens=1500,
+                            ignore_eos=True)
+    next(iter(generation))
+    generation.cancel()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and verifier_info(stack).active_sessions != (1 if keep else 0):
+        time.sleep(0.1)
+    info = verifier_info(stack)
+    assert info.active_sessions == (1 if keep else 0)
+    if keep:
+        (session,) = c.list_sessions()
+        assert not session.generating and session.num_tokens < 1500
+        c.release_session(session.session)
+    assert free_pages(stack) == KV_PAGES
+
+
+def test_killing_a_drafter_mid_generation_keeps_the_output_exact(stack, reference) -> None:
+    text = "a long generation that outlives one of the drafters"
+    c = client(stack)
+    reseeds = verifier_metric(stack, "ddtree_verifier_reseeds")
+    outputs = []
+    generations = [c.generate(f"{text} #{i}", max_new_tokens=150, ignore_eos=True) for i in range(4)]
+    threads = [threading.Thread(target=lambda g=g: outputs.append(g.result())) for g in generations]
+    for thread in threads:
+        thread.start()
+    time.sleep(1.0)
+    stack.kill("drafter-1")
+    for thread in threads:
+        thread.join(120)
+    engine_params = SamplingParams(max_new_tokens=150, ignore_eos=True)
+    engine = make_engine(stack.target, page_size=64)
+    for i, generation in enumerate(generations):
+        prompt = reference.encode(f"{text} #{i}")
+        assert generation.token_ids == generate_offline(engine, None, prompt, engine_params).token_ids
+    assert verifier_metric(stack, "ddtree_verifier_reseeds") > reseeds
