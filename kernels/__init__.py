@@ -23,5 +23,7 @@ def __getattr__(name: str) -> Any:
     if name not in _EXPORTS:
         raise AttributeError(f"module 'kernels' has no attribute {name!r}")
     value = getattr(importlib.import_module(_EXPORTS[name]), name)
-    globals()[name] = value  # NOTE: replaces the same-named submodule that the import just bound here
+    # NOTE: the import just bound the same-named submodule here (kernels.commit_kv); the function wins.
+    # Code that imports the submodule itself first sees the module: import from the submodule then.
+    globals()[name] = value
     return value

@@ -6,7 +6,6 @@ gives wrong bf16 dot products); with CUDA the `gpu` tests run bf16 at larger sha
 
 from __future__ import annotations
 
-import importlib
 import os
 import sys
 
@@ -14,19 +13,22 @@ import pytest
 import torch
 
 if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"  # NOTE: read when a kernel is decorated, i.e. at import
-    # Another test module may have imported the kernel modules before this one set the flag.
-    for _name in ("kernels.split_kv", "kernels.verify_attention", "kernels.paged_decode", "kernels.commit_kv"):
-        if _name in sys.modules:
-            importlib.reload(sys.modules[_name])
+    # NOTE: Triton reads this flag when its own library functions are decorated, i.e. at its first
+    # import; `kernels/__init__` imports no Triton, so only an earlier direct import can spoil it.
+    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError("triton was imported before TRITON_INTERPRET=1 could be set: export it to run these")
+    os.environ["TRITON_INTERPRET"] = "1"
 
-from kernels import SplitConfig, commit_kv, hybrid_verify_attention, paged_decode_attention  # noqa: E402
+from kernels.commit_kv import commit_kv  # noqa: E402
+from kernels.paged_decode import paged_decode_attention  # noqa: E402
 from kernels.reference import (  # noqa: E402
     commit_kv_reference,
     gather_prefix,
     pack_tree_mask,
     verify_attention_reference,
 )
+from kernels.split_kv import SplitConfig  # noqa: E402
+from kernels.verify_attention import hybrid_verify_attention  # noqa: E402
 
 GPU = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if GPU else "cpu")
