@@ -6,14 +6,12 @@ import argparse
 import asyncio
 import contextlib
 import logging
-import signal
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_health.v1 import health, health_pb2
 
 from gateway.auth import ApiKeys
 from gateway.config import GatewayConfig
@@ -23,6 +21,7 @@ from gateway.service import GatewayServicer
 from gateway.verifiers import VerifierPool
 from modeling.tokenizer import Tokenizer
 from proto import gateway_pb2, gateway_pb2_grpc
+from proto.serving import add_health_and_reflection, message_options, server_options, wait_for_termination_signal
 
 log = logging.getLogger(__name__)
 
@@ -47,29 +46,16 @@ class RunningGateway:
         await self.core.pool.close()
 
 
-def _message_options(config: GatewayConfig) -> list[tuple[str, int]]:
-    return [("grpc.max_receive_message_length", config.max_message_bytes),
-            ("grpc.max_send_message_length", config.max_message_bytes)]
-
-
 async def start(config: GatewayConfig, keys: ApiKeys) -> RunningGateway:
     """Start serving; the first verifier poll runs before the port opens so routing starts informed."""
     metrics = GatewayMetrics()
-    pool = VerifierPool(config.verifiers, _message_options(config))
+    pool = VerifierPool(config.verifiers, message_options(config.max_message_bytes))
     core = GatewayCore(config, pool, Tokenizer.from_dir(config.tokenizer_dir), metrics)
-    health_servicer = health.aio.HealthServicer()
-    await _refresh(core, health_servicer)
-
-    server = grpc.aio.server(options=[
-        *_message_options(config),
-        ("grpc.max_connection_age_ms", int(config.max_connection_age_s * 1000)),
-        ("grpc.max_connection_age_grace_ms", int(config.max_connection_age_grace_s * 1000)),
-    ])
+    server = grpc.aio.server(options=server_options(config.max_message_bytes, config.max_connection_age_s,
+                                                    config.max_connection_age_grace_s))
     gateway_pb2_grpc.add_GatewayServicer_to_server(GatewayServicer(core, keys), server)
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        (GATEWAY_SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
-        server)
+    health_servicer = add_health_and_reflection(server, [GATEWAY_SERVICE])
+    await _refresh(core, health_servicer)
     port = server.add_insecure_port(config.listen)
     await server.start()
     metrics_http = metrics.serve_http(config.metrics_port, config.metrics_addr) if config.metrics_port else None
@@ -98,12 +84,8 @@ async def _housekeep(core: GatewayCore, health_servicer: health.aio.HealthServic
 async def serve(config: GatewayConfig, keys: ApiKeys) -> None:
     """Run until SIGINT or SIGTERM, then stop with a grace period for running calls."""
     gateway = await start(config, keys)
-    stopping = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stopping.set)
     print(f"gateway listening on port {gateway.port}", flush=True)
-    await stopping.wait()
+    await wait_for_termination_signal()
     await gateway.stop()
 
 

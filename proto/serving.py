@@ -13,11 +13,16 @@ from grpc_reflection.v1alpha import reflection
 MAX_MESSAGE_BYTES = 64 << 20
 
 
-def server_options(max_message_bytes: int = MAX_MESSAGE_BYTES, max_connection_age_s: float = 30.0) -> list:
+def message_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
     return [("grpc.max_receive_message_length", max_message_bytes),
-            ("grpc.max_send_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", max_message_bytes)]
+
+
+def server_options(max_message_bytes: int = MAX_MESSAGE_BYTES, max_connection_age_s: float = 30.0,
+                   max_connection_age_grace_s: float = 10.0) -> list[tuple[str, int]]:
+    return [*message_options(max_message_bytes),
             ("grpc.max_connection_age_ms", int(max_connection_age_s * 1000)),
-            ("grpc.max_connection_age_grace_ms", 10_000)]
+            ("grpc.max_connection_age_grace_ms", int(max_connection_age_grace_s * 1000))]
 
 
 def add_health_and_reflection(server: grpc.aio.Server, service_names: list[str]) -> health.aio.HealthServicer:
