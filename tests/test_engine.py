@@ -14,6 +14,19 @@ from verifier_service.engine.errors import CapacityError, InvalidRequest
 from verifier_service.engine.sampling import SamplingParams
 from verifier_service.engine.stopping import StopReason
 
+BACKENDS = [pytest.param({}, id="torch-cpu"),
+            pytest.param({"device": "cuda", "attention": "triton"}, id="triton-cuda", marks=pytest.mark.gpu)]
+
+
+@pytest.fixture(params=BACKENDS)
+def new_engine(request, tiny_target):
+    """Engines on the reference backend, and (GPU machines) on the Triton kernels."""
+    def factory(**overrides):
+        return make_engine(tiny_target, **request.param, **overrides)
+    # NOTE: on the GPU the kernels accumulate in a different order than a fresh prefill: looser KV bound.
+    factory.kv_atol = 1e-3 if request.param else 1e-5
+    return factory
+
 
 def prompt_of(length: int, seed: int = 1) -> list[int]:
     rng = random.Random(seed)
@@ -21,8 +34,8 @@ def prompt_of(length: int, seed: int = 1) -> list[int]:
 
 
 @pytest.mark.parametrize("page_size", [16, 64])
-def test_speculative_greedy_equals_plain_greedy(tiny_target, page_size: int) -> None:
-    engine = make_engine(tiny_target, page_size=page_size, max_tree_nodes=128)
+def test_speculative_greedy_equals_plain_greedy(new_engine, page_size: int) -> None:
+    engine = new_engine(page_size=page_size, max_tree_nodes=128)
     rng = random.Random(page_size)
     steps = 0
     # prompts ending one before, at, and one after page boundaries, and spanning several pages
@@ -52,8 +65,8 @@ def kv_of(engine, session) -> tuple[torch.Tensor, torch.Tensor]:
             torch.stack([gather_prefix(engine.kv.v[i], table, session.kv_len) for i in range(engine.kv.v.shape[0])]))
 
 
-def test_pages_after_many_steps_equal_a_fresh_prefill(tiny_target) -> None:
-    engine = make_engine(tiny_target, max_tree_nodes=64)
+def test_pages_after_many_steps_equal_a_fresh_prefill(new_engine) -> None:
+    engine = new_engine(max_tree_nodes=64)
     rng = random.Random(3)
     prompt = prompt_of(21)
     expected = plain_generate(engine, prompt, SamplingParams(max_new_tokens=80, ignore_eos=True))
@@ -64,7 +77,7 @@ def test_pages_after_many_steps_equal_a_fresh_prefill(tiny_target) -> None:
     fresh, _ = engine.create_session(list(session.tokens))
     assert fresh.kv_len == session.kv_len == len(prompt) + 80 - 1
     for stepped, prefilled in zip(kv_of(engine, session), kv_of(engine, fresh)):
-        torch.testing.assert_close(stepped, prefilled, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(stepped, prefilled, atol=new_engine.kv_atol, rtol=1e-3)
 
 
 BAD_TREES = {
@@ -78,8 +91,8 @@ BAD_TREES = {
 
 
 @pytest.mark.parametrize("case", sorted(BAD_TREES))
-def test_bad_tree_is_rejected_and_session_survives(tiny_target, case: str) -> None:
-    engine = make_engine(tiny_target, max_tree_nodes=8)
+def test_bad_tree_is_rejected_and_session_survives(new_engine, case: str) -> None:
+    engine = new_engine(max_tree_nodes=8)
     prompt = prompt_of(19)
     expected = plain_generate(engine, prompt)
     session, _ = engine.create_session(prompt)
@@ -96,8 +109,8 @@ def test_bad_tree_is_rejected_and_session_survives(tiny_target, case: str) -> No
     assert expected[:1] + got == expected
 
 
-def test_prompt_over_capacity_is_refused_without_leaks(tiny_target) -> None:
-    engine = make_engine(tiny_target, kv_budget_bytes=8 * 16 * 2 * 4 * 2 * 16 * 4)  # 8 pages of 16 tokens
+def test_prompt_over_capacity_is_refused_without_leaks(new_engine) -> None:
+    engine = new_engine(kv_budget_bytes=8 * 16 * 2 * 4 * 2 * 16 * 4)  # 8 pages of 16 tokens
     assert engine.pool.num_pages == 8
     other, _ = engine.create_session(prompt_of(40))  # 3 pages
     free = engine.pool.num_free
@@ -107,14 +120,14 @@ def test_prompt_over_capacity_is_refused_without_leaks(tiny_target) -> None:
     with pytest.raises(CapacityError):
         engine.extend_session(other.session_id, prompt_of(90))
     assert other.kv_len == 39 and engine.pool.num_free == free
-    expected = plain_generate(make_engine(tiny_target), prompt_of(40))
+    expected = plain_generate(new_engine(), prompt_of(40))
     engine.start_generation(other.session_id, GREEDY)
     got, _ = run_to_end(engine, other.session_id, lambda _: DraftTree.empty())
     assert got == expected
 
 
-def test_prompt_errors_name_the_field(tiny_target) -> None:
-    engine = make_engine(tiny_target, max_context=64)
+def test_prompt_errors_name_the_field(new_engine) -> None:
+    engine = new_engine(max_context=64)
     with pytest.raises(InvalidRequest, match="prompt"):
         engine.create_session([])
     with pytest.raises(InvalidRequest, match="max_context"):
@@ -128,16 +141,16 @@ def test_prompt_errors_name_the_field(tiny_target) -> None:
             engine.start_generation(session.session_id, SamplingParams(**bad))
 
 
-def test_generation_stops_at_max_context(tiny_target) -> None:
-    engine = make_engine(tiny_target, max_context=50)
+def test_generation_stops_at_max_context(new_engine) -> None:
+    engine = new_engine(max_context=50)
     session, _ = engine.create_session(prompt_of(45))
     engine.start_generation(session.session_id, SamplingParams(max_new_tokens=100, ignore_eos=True))
     got, results = run_to_end(engine, session.session_id, lambda _: DraftTree.chain([1] * 30))
     assert len(session.tokens) == 50 and len(got) == 5 and results[-1].finished == StopReason.LENGTH
 
 
-def test_stop_token_and_stop_string_cut_the_output(tiny_target) -> None:
-    engine = make_engine(tiny_target)
+def test_stop_token_and_stop_string_cut_the_output(new_engine) -> None:
+    engine = new_engine()
     prompt = prompt_of(30)
     reference = plain_generate(engine, prompt)
     stop_token = reference[7]
@@ -160,8 +173,8 @@ def test_stop_token_and_stop_string_cut_the_output(tiny_target) -> None:
     assert got == reference[: len(got)]
 
 
-def test_batched_step_equals_separate_sessions(tiny_target) -> None:
-    engine = make_engine(tiny_target)
+def test_batched_step_equals_separate_sessions(new_engine) -> None:
+    engine = new_engine()
     prompts = [prompt_of(n, seed=n) for n in (3, 17, 33)]
     expected = [plain_generate(engine, p) for p in prompts]
     rng = random.Random(5)
@@ -180,8 +193,8 @@ def test_batched_step_equals_separate_sessions(tiny_target) -> None:
     assert [outputs[s] for s in sessions] == expected
 
 
-def test_fork_shares_pages_and_both_branches_continue_exactly(tiny_target) -> None:
-    engine = make_engine(tiny_target)
+def test_fork_shares_pages_and_both_branches_continue_exactly(new_engine) -> None:
+    engine = new_engine()
     prompt = prompt_of(40)
     base, _ = engine.create_session(prompt)
     used = engine.pool.num_pages - engine.pool.num_free
@@ -199,8 +212,8 @@ def test_fork_shares_pages_and_both_branches_continue_exactly(tiny_target) -> No
     assert engine.pool.num_free == engine.pool.num_pages
 
 
-def test_multi_turn_equals_one_prompt(tiny_target) -> None:
-    engine = make_engine(tiny_target)
+def test_multi_turn_equals_one_prompt(new_engine) -> None:
+    engine = new_engine()
     session, _ = engine.create_session(prompt_of(10))
     history = list(session.tokens)
     for turn in ([40, 41, 42], [50] * 20):
@@ -214,8 +227,8 @@ def test_multi_turn_equals_one_prompt(tiny_target) -> None:
     assert got == plain_generate(engine, history)
 
 
-def test_step_returns_features_of_committed_tokens(tiny_target) -> None:
-    engine = make_engine(tiny_target, feature_layers=(1, 2))
+def test_step_returns_features_of_committed_tokens(new_engine) -> None:
+    engine = new_engine(feature_layers=(1, 2))
     prompt = prompt_of(30)
     _, seed = engine.create_session(prompt, session_id="a", feature_tail=8)
     assert seed.shape == (8, 2 * 64)
@@ -224,4 +237,4 @@ def test_step_returns_features_of_committed_tokens(tiny_target) -> None:
     (result,) = engine.step([("a", DraftTree.chain(expected[:3]))])
     assert result.committed == [prompt[-1], *expected[:3]] and result.features.shape == (4, 128)
     _, whole = engine.create_session(prompt + expected[:4], feature_tail=4)
-    torch.testing.assert_close(result.features, whole, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(result.features, whole, atol=new_engine.kv_atol, rtol=1e-3)

@@ -66,3 +66,20 @@ def test_offline_command_prints_json(tiny_target) -> None:
     assert len(result["token_ids"]) <= 12 and isinstance(result["text"], str)
     assert sum(result["acceptance_lengths"]) >= len(result["token_ids"])
     assert {"prefill_s", "decode_s", "tokens_per_s", "stop_reason"} <= set(result)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_dflash_ddtree_on_the_gpu_with_triton_kernels(tiny_target, tiny_dflash, dtype: str) -> None:
+    """The whole loop on CUDA: Triton verify/commit kernels, drafter on the GPU. In bf16 the tree and the
+    plain path may round differently, so there the check is agreement with plain decoding on the GPU."""
+    engine = make_engine(tiny_target, device="cuda", attention="triton", dtype=dtype, page_size=16)
+    prompt = engine.tokenizer.encode("speculative decoding on the gpu")
+    plain = generate_offline(engine, None, prompt, PARAMS)
+    drafter = load_drafter(str(tiny_dflash), str(tiny_target), device="cuda", dtype=dtype)
+    result = generate_offline(engine, drafter, prompt, PARAMS, tree_budget=15)
+    matching = next((i for i, (a, b) in enumerate(zip(result.token_ids, plain.token_ids)) if a != b), None)
+    if dtype == "float32":
+        assert result.token_ids == plain.token_ids
+    else:
+        assert matching is None or matching >= 8, f"diverged at token {matching}"

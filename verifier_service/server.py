@@ -34,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--kv-budget-mb", type=float, default=256)
     parser.add_argument("--max-tree-nodes", type=int, default=255)
     parser.add_argument("--max-context", type=int, default=None)
-    parser.add_argument("--prefill-chunk", type=int, default=512)
+    parser.add_argument("--prefill-chunk", type=int, default=256)
     parser.add_argument("--metrics-port", type=int, default=0, help="Prometheus port; 0 = off")
     return parser
 

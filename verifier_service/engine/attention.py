@@ -31,9 +31,28 @@ class TorchReferenceBackend:
         reference.commit_kv_reference(kv.k, kv.v, scratch.k, scratch.v, src_rows, dst_slots)
 
 
+class TritonBackend:
+    """The hybrid verify kernel (split prefix over whole pages + masked tree block, LSE merge) and the
+    one-launch KV commit. Launch shapes come from host-side bounds: no device sync per layer."""
+
+    def __init__(self) -> None:
+        from kernels import commit_kv, hybrid_verify_attention
+
+        self._verify, self._commit = hybrid_verify_attention, commit_kv
+
+    def verify(self, q, k_pages, v_pages, tree_k, tree_v, batch, sm_scale):
+        return self._verify(q, k_pages, v_pages, batch.block_tables, batch.prefix_lens, tree_k, tree_v,
+                            batch.cu_tree, batch.tree_mask, sm_scale, batch.max_prefix_len, batch.max_tree_len)
+
+    def commit(self, kv, scratch, src_rows, dst_slots):
+        self._commit(kv.k, kv.v, scratch.k, scratch.v, src_rows, dst_slots)
+
+
 def make_backend(name: str) -> AttentionBackend:
     if name == "torch":
         return TorchReferenceBackend()
+    if name == "triton":
+        return TritonBackend()
     raise ValueError(f"attention backend must be 'torch' or 'triton', got {name!r}")
 
 

@@ -9,6 +9,7 @@ import torch
 from modeling.config import parse_dtype
 
 PAGE_SIZES = (16, 32, 64, 128, 256)
+TRITON_MAX_BLOCK = 256  # tokens of one verify block (a tree or a prefill chunk) in the Triton kernel
 
 
 @dataclass(frozen=True)
@@ -16,7 +17,7 @@ class EngineConfig:
     page_size: int = 64
     kv_budget_bytes: int = 256 << 20  # K and V pages of all layers together
     max_tree_nodes: int = 255  # draft nodes per tree (the verify block holds one more: the root)
-    prefill_chunk: int = 512
+    prefill_chunk: int = 256
     max_batch_tokens: int = 2048  # rows of the tree scratch: verify blocks of one batch, or one prefill chunk
     max_context: int | None = None  # defaults to the model's max_position_embeddings
     dtype: str = "float32"
@@ -32,6 +33,11 @@ class EngineConfig:
         if self.max_tree_nodes + 1 > self.max_batch_tokens:
             raise ValueError("max_tree_nodes + 1 must fit in max_batch_tokens")
         parse_dtype(self.dtype)
+        if self.attention not in ("torch", "triton"):
+            raise ValueError(f"attention must be 'torch' or 'triton', got {self.attention!r}")
+        if self.attention == "triton" and max(self.prefill_chunk, self.max_tree_tokens) > TRITON_MAX_BLOCK:
+            raise ValueError(f"the triton backend verifies blocks of at most {TRITON_MAX_BLOCK} tokens: "
+                             "lower prefill_chunk / max_tree_nodes")
 
     @property
     def torch_dtype(self) -> torch.dtype:
