@@ -67,7 +67,12 @@ class LocalStack:
 
     def _spawn(self, name: str, module: str, *args: str) -> subprocess.Popen:
         log = subprocess.DEVNULL if self.log_dir is None else open(Path(self.log_dir) / f"{name}.log", "wb")  # noqa: SIM115
-        process = subprocess.Popen([sys.executable, "-m", module, *args], stdout=log, stderr=subprocess.STDOUT)
+        env = dict(os.environ)
+        if self.device == "cpu":
+            # NOTE: on a small CPU machine intra-op threads fight the event loops and each other: one each.
+            env.setdefault("OMP_NUM_THREADS", "1")
+        process = subprocess.Popen([sys.executable, "-m", module, *args], stdout=log, stderr=subprocess.STDOUT,
+                                   env=env)
         self.processes[name] = process
         return process
 
