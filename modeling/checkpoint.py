@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -28,29 +28,44 @@ def checkpoint_files(path: str | Path) -> list[Path]:
     return files
 
 
-def iter_tensors(path: str | Path, wanted: set[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (name, tensor) from every shard; with `wanted`, only those names (others are never read)."""
+TensorPart = Callable[[str], tuple[slice, ...] | None]  # name -> the index of the part to read; None = all
+
+
+def iter_tensors(path: str | Path, wanted: set[str] | None = None,
+                 part: TensorPart | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) from every shard; with `wanted`, only those names (others are never read); with
+    `part`, only the indexed rows or columns of each (a tensor-parallel rank's slice; the rest is never read)."""
     for file in checkpoint_files(path):
         with safe_open(str(file), framework="pt") as shard:
             for name in shard.keys():
                 if wanted is None or name in wanted:
-                    yield name, shard.get_tensor(name)
+                    index = part(name) if part else None
+                    yield name, shard.get_tensor(name) if index is None else shard.get_slice(name)[index]
 
 
 def load_causal_lm(path: str | Path, dtype: str | torch.dtype | None = None,
                    device: str | torch.device = "cpu") -> CausalLM:
     """Build the model on the meta device and fill it from the checkpoint, shard by shard."""
-    config = ModelConfig.from_dir(path)
-    dtype = parse_dtype(dtype or config.torch_dtype)
     with torch.device("meta"):
-        model = CausalLM(config)
+        model = CausalLM(ModelConfig.from_dir(path))
+    return load_weights(model, path, dtype, device)
+
+
+def load_weights(model: CausalLM, path: str | Path, dtype: str | torch.dtype | None = None,
+                 device: str | torch.device = "cpu", part: TensorPart | None = None) -> CausalLM:
+    """Fill a model built on the meta device from the checkpoint; `part` as in `iter_tensors`."""
+    config = model.config
+    dtype = parse_dtype(dtype or config.torch_dtype)
     model.to_empty(device=device)
     model.rotary = RotaryEmbedding(config.rope, config.head_dim).to(device)
     params = dict(model.named_parameters())
     missing = set(params)
-    for name, tensor in iter_tensors(path):
+    for name, tensor in iter_tensors(path, part=part):
         if name not in params:
             continue  # e.g. rotary inv_freq buffers some exporters write
+        if tensor.shape != params[name].shape:
+            raise ValueError(f"{name}: the checkpoint gives {tuple(tensor.shape)}, the model holds "
+                             f"{tuple(params[name].shape)}")
         params[name].data = tensor.to(device=device, dtype=dtype)
         missing.discard(name)
         if name == "model.embed_tokens.weight" and config.tie_word_embeddings:

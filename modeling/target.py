@@ -21,11 +21,14 @@ class DecoderStack(nn.Module):
 
 
 class CausalLM(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, shard_config: ModelConfig | None = None):
+        """`shard_config`: the shapes this instance holds when it is one tensor-parallel shard of `config` (its
+        own heads, MLP columns and vocab rows); None for the whole model."""
         super().__init__()
         self.config = config
-        self.model = DecoderStack(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.shard_config = shard_config or config
+        self.model = DecoderStack(self.shard_config)
+        self.lm_head = nn.Linear(config.hidden_size, self.shard_config.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(config.rope, config.head_dim)
 
     def forward(
@@ -52,3 +55,7 @@ class CausalLM(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
+
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, H] -> the argmax token of every row [N]."""
+        return self.logits(hidden).argmax(-1)

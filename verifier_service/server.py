@@ -8,6 +8,7 @@ import logging
 from pathlib import Path
 
 import grpc
+from grpc_health.v1 import health, health_pb2
 
 from proto import verifier_pb2, verifier_pb2_grpc
 from proto.serving import add_health_and_reflection, mark_serving, server_options, wait_for_termination_signal
@@ -17,6 +18,7 @@ from verifier_service.engine.engine import Engine
 from verifier_service.metrics import VerifierMetrics
 from verifier_service.service import VerifierService
 from verifier_service.servicer import VerifierServicer
+from verifier_service.tensor_parallel import TensorParallelGroup
 
 SERVICE_NAME = verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name
 
@@ -36,6 +38,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-context", type=int, default=None)
     parser.add_argument("--prefill-chunk", type=int, default=256)
     parser.add_argument("--metrics-port", type=int, default=0, help="Prometheus port; 0 = off")
+    parser.add_argument("--tensor-parallel", type=int, default=1,
+                        help="ranks (processes) the model is split over: cuda:0..N-1 with --device cuda, else gloo "
+                             "on the CPU")
+    parser.add_argument("--tp-timeout-s", type=float, default=120.0,
+                        help="collective timeout between ranks (a dead rank is noticed sooner: its process exits)")
     return parser
 
 
@@ -46,10 +53,27 @@ def engine_config(args: argparse.Namespace, checkpoint_dtype: str) -> EngineConf
                         dtype=args.dtype or checkpoint_dtype, device=args.device, attention=args.attention)
 
 
+async def fail_when_a_rank_fails(group: TensorParallelGroup, service: VerifierService,
+                                 health_servicer: health.aio.HealthServicer) -> None:
+    """The watchdog: a dead rank makes the service NOT_SERVING and fails its requests with UNAVAILABLE."""
+    reason = await group.wait_for_failure()
+    logging.error("%s: the verifier stops serving", reason)
+    service.fail(reason)
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    group.abort()
+
+
 async def serve(args: argparse.Namespace) -> None:
     from modeling.config import ModelConfig
 
-    engine = Engine.from_checkpoint(args.target, engine_config(args, ModelConfig.from_dir(args.target).torch_dtype))
+    config = engine_config(args, ModelConfig.from_dir(args.target).torch_dtype)
+    group = None
+    if args.tensor_parallel > 1:
+        group = TensorParallelGroup.start(args.target, config, args.tensor_parallel, args.tp_timeout_s)
+        engine = group.engine
+    else:
+        engine = Engine.from_checkpoint(args.target, config)
     metrics = VerifierMetrics()
     drafters = DrafterPool(args.drafters, metrics, timeout_s=args.draft_timeout_s) if args.drafters else None
     service = VerifierService(engine, drafters, metrics, tree_budget=args.tree_budget)
@@ -63,11 +87,16 @@ async def serve(args: argparse.Namespace) -> None:
     await service.start()
     await server.start()
     await mark_serving(health_servicer, [SERVICE_NAME])
+    if group:
+        watchdog = asyncio.create_task(fail_when_a_rank_fails(group, service, health_servicer))
     logging.info("verifier listening on port %d", port)
     await wait_for_termination_signal()
     await health_servicer.enter_graceful_shutdown()
     await server.stop(grace=2.0)
     await service.stop()
+    if group:
+        watchdog.cancel()
+        group.stop()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -3,9 +3,12 @@
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from modeling.tree import DraftTree, TreeError
 from verifier_service.batcher import StepBatcher
@@ -16,6 +19,12 @@ from verifier_service.engine.sampling import SamplingParams
 from verifier_service.engine.session import Session
 from verifier_service.metrics import VerifierMetrics
 from verifier_service.worker import EngineWorker
+
+T = TypeVar("T")
+
+
+class EngineDown(RuntimeError):
+    """The engine can no longer run (a tensor-parallel rank died): UNAVAILABLE, retry elsewhere."""
 
 
 class SessionBusy(RuntimeError):
@@ -38,6 +47,8 @@ class VerifierService:
         self.worker = EngineWorker()
         self.batcher = StepBatcher(engine, self.worker)
         self.generating: set[str] = set()
+        self.down = asyncio.Event()
+        self.down_reason = ""
         if drafters is not None:
             drafters.on_info = self._use_drafter_features
 
@@ -56,6 +67,33 @@ class VerifierService:
             await self.drafters.stop()
         self.worker.shutdown()
 
+    def fail(self, reason: str) -> None:
+        """Mark the engine down: in-flight and later engine work fail with EngineDown at once, even while the
+        engine thread is stuck (in a collective with a dead rank)."""
+        self.down_reason = reason
+        self.down.set()
+
+    async def _call(self, fn: Callable[..., T], *args, **kwargs) -> T:
+        return await self._engine_work(functools.partial(self.worker.call, fn, *args, **kwargs))
+
+    async def _engine_work(self, start: Callable[[], Awaitable[T]]) -> T:
+        """Await `start()`, or raise EngineDown as soon as the engine is marked down."""
+        if self.down.is_set():
+            raise EngineDown(self.down_reason)
+        work, down = asyncio.ensure_future(start()), asyncio.ensure_future(self.down.wait())
+        try:
+            done, _ = await asyncio.wait((work, down), return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            work.cancel()  # NOTE: a cancelled step settles before we return, unless the engine goes down first
+            await asyncio.wait((work, down), return_when=asyncio.FIRST_COMPLETED)
+            raise
+        finally:
+            down.cancel()
+        if work in done:
+            return work.result()
+        work.cancel()
+        raise EngineDown(self.down_reason)
+
     def _update_gauges(self) -> None:
         pool = self.engine.pool
         self.metrics.kv_pages_free.set(pool.num_free)
@@ -71,8 +109,7 @@ class VerifierService:
         return (self.drafters.window if self.drafters else None) or self.engine.max_context
 
     async def create_session(self, prompt: list[int]) -> Session:
-        session, features = await self.worker.call(self.engine.create_session, prompt,
-                                                    feature_tail=self._feature_tail())
+        session, features = await self._call(self.engine.create_session, prompt, feature_tail=self._feature_tail())
         if self.drafters is not None:
             self.drafters.attach(session.session_id, lambda: session.tokens[:-1], features)
         self._update_gauges()
@@ -83,7 +120,7 @@ class VerifierService:
 
     async def fork_session(self, session_id: str) -> Session:
         self._check_idle(session_id)
-        fork = await self.worker.call(self.engine.fork_session, session_id)
+        fork = await self._call(self.engine.fork_session, session_id)
         if self.drafters is not None:
             features = self.drafters.sessions[session_id].features
             self.drafters.attach(fork.session_id, lambda: fork.tokens[:-1], features)
@@ -100,7 +137,7 @@ class VerifierService:
     async def _release(self, session_id: str) -> None:
         if self.drafters is not None:
             self.drafters.detach(session_id)
-        await self.worker.call(self.engine.release_session, session_id)
+        await self._call(self.engine.release_session, session_id)
         self._update_gauges()
 
     def _check_idle(self, session_id: str) -> None:
@@ -119,18 +156,17 @@ class VerifierService:
         try:
             params.validate()
             if append:
-                features = await self.worker.call(self.engine.extend_session, session_id, append,
-                                                  self._feature_tail())
+                features = await self._call(self.engine.extend_session, session_id, append, self._feature_tail())
                 if self.drafters is not None:
                     self.drafters.add_features(session_id, features)
-            await self.worker.call(self.engine.start_generation, session_id, params)
+            await self._call(self.engine.start_generation, session_id, params)
             async for event in self._steps(session):
                 yield event
         finally:
             self.generating.discard(session_id)
             if self.drafters is not None:
                 self.drafters.close_mirror(session_id)
-            if not keep_session:
+            if not keep_session and not self.down.is_set():
                 await self._release(session_id)
             self._update_gauges()
 
@@ -140,7 +176,7 @@ class VerifierService:
             started = time.perf_counter()
             tree = await self._draft(session, step, committed, features, position)
             drafted = time.perf_counter()
-            result = await self.batcher.submit(session.session_id, tree)
+            result = await self._engine_work(functools.partial(self.batcher.submit, session.session_id, tree))
             verified = time.perf_counter()
             self._count(result, len(tree), verified - drafted)
             yield StepEvent(step, result, len(tree), drafted - started, verified - drafted)
@@ -171,4 +207,4 @@ class VerifierService:
         self.metrics.step_seconds.observe(verify_s)
 
 
-__all__ = ["InvalidRequest", "SessionBusy", "StepEvent", "VerifierService"]
+__all__ = ["EngineDown", "InvalidRequest", "SessionBusy", "StepEvent", "VerifierService"]

@@ -15,11 +15,12 @@ from verifier_service.engine.errors import CapacityError, InvalidRequest
 from verifier_service.engine.sampling import SamplingParams
 from verifier_service.engine.session import Session
 from verifier_service.engine.stopping import StopReason
-from verifier_service.service import SessionBusy, StepEvent, VerifierService
+from verifier_service.service import EngineDown, SessionBusy, StepEvent, VerifierService
 
 DEFAULT_MAX_NEW_TOKENS = 256
 
 STATUS_OF = (
+    (EngineDown, grpc.StatusCode.UNAVAILABLE),
     (SessionBusy, grpc.StatusCode.FAILED_PRECONDITION),
     (CapacityError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     ((InvalidRequest, TreeError, ValueError), grpc.StatusCode.INVALID_ARGUMENT),

@@ -3,6 +3,7 @@ verify -> accept -> commit step (plain decoding is the step with an empty tree).
 
 from __future__ import annotations
 
+import itertools
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,18 +53,21 @@ class Engine:
         if num_pages < 1:
             raise ValueError("kv_budget_bytes is smaller than one KV page")
         self.pool = PagePool(num_pages)
-        self.kv = KVCache(self.model_config, num_pages, config.page_size, dtype, device)
-        self.scratch = TreeScratch(self.model_config, config.max_batch_tokens, dtype, device)
+        # NOTE: the page count comes from the whole model's page size, so every tensor-parallel rank agrees on
+        # it; the tensors hold only the KV heads of this model instance (`shard_config`).
+        self.kv = self._kv_cache(num_pages, dtype, device)
+        self.scratch = TreeScratch(model.shard_config, config.max_batch_tokens, dtype, device)
         self.backend = make_backend(config.attention)
         self.sm_scale = self.model_config.head_dim ** -0.5
         self.feature_layers = config.feature_layers  # NOTE: set by the service once a drafter says which
         self.sessions: dict[str, Session] = {}
 
+    def _kv_cache(self, num_pages: int, dtype: torch.dtype, device: torch.device) -> KVCache:
+        return KVCache(self.model.shard_config, num_pages, self.config.page_size, dtype, device)
+
     @staticmethod
     def from_checkpoint(path: str | Path, config: EngineConfig) -> Engine:
-        model = load_causal_lm(path, config.torch_dtype, config.device)
-        tokenizer = Tokenizer.from_dir(path) if (Path(path) / "tokenizer.json").is_file() else None
-        return Engine(model, config, tokenizer)
+        return Engine(load_causal_lm(path, config.torch_dtype, config.device), config, checkpoint_tokenizer(path))
 
     @property
     def device(self) -> torch.device:
@@ -144,12 +148,8 @@ class Engine:
         features = []
         for chunk_start in range(start, end, self.config.prefill_chunk):
             chunk = tokens[chunk_start:min(end, chunk_start + self.config.prefill_chunk)]
-            block = BlockSpec.chain(chunk_start, chunk, session.block_table.pages)
-            _, chunk_features = self._forward(build_verify_batch([block], self.device))
-            rows = torch.arange(len(chunk), device=self.device)
-            slots = torch.tensor([session.block_table.slot(chunk_start + i) for i in range(len(chunk))],
-                                 device=self.device)
-            self.backend.commit(self.kv, self.scratch, rows, slots)
+            _, chunk_features = self.forward([BlockSpec.chain(chunk_start, chunk, session.block_table.pages)])
+            self.commit(list(range(len(chunk))), [session.block_table.slot(chunk_start + i) for i in range(len(chunk))])
             if chunk_features is not None and feature_tail:
                 features.append(chunk_features[-feature_tail:])
         session.tokens = tokens
@@ -157,12 +157,27 @@ class Engine:
             return None
         return torch.cat(features)[-feature_tail:]
 
-    # ---- the speculative step ---------------------------------------------------------------------
+    # ---- the operations on the model and the KV tensors (a tensor-parallel rank 0 mirrors each to its peers) --
+
+    def forward(self, blocks: list[BlockSpec]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One forward over packed verify blocks: their K/V go to the tree scratch, never the pages."""
+        return self._forward(build_verify_batch(blocks, self.device))
 
     @torch.inference_mode()
     def _forward(self, batch: VerifyBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
         attend = PagedVerifyAttention(self.backend, self.kv, self.scratch, batch, self.sm_scale)
         return self.model(batch.input_ids, batch.positions, attend, self.feature_layers)
+
+    def head(self, hidden: torch.Tensor, greedy: bool) -> torch.Tensor:
+        """[N] argmax tokens when `greedy` (no full logits needed: the vocab may be sharded), else [N, V] logits."""
+        return self.model.greedy_tokens(hidden) if greedy else self.model.logits(hidden)
+
+    def commit(self, src_rows: list[int], dst_slots: list[int]) -> None:
+        """Copy tree-scratch rows into page slots, in every layer."""
+        self.backend.commit(self.kv, self.scratch, torch.tensor(src_rows, device=self.device),
+                            torch.tensor(dst_slots, device=self.device))
+
+    # ---- the speculative step ---------------------------------------------------------------------
 
     def _check_tree(self, session: Session, tree: DraftTree) -> DraftTree:
         tree.validate(self.model_config.vocab_size, self.config.max_tree_nodes)
@@ -172,6 +187,13 @@ class Engine:
         if room < 1:
             raise InvalidRequest(f"session {session.session_id!r} has reached max_context {self.max_context}")
         return tree.truncated(room - 1)  # NOTE: the bonus token needs one position too
+
+    def _targets(self, hidden: torch.Tensor, generations: list[Generation], offsets: list[int]) -> list[list[int]]:
+        """The target's own token at every verify row, per session (rows offsets[i]:offsets[i + 1])."""
+        greedy = all(g.params.greedy for g in generations)
+        chosen = self.head(hidden, greedy)  # [N] tokens, or [N, V] logits
+        return [chosen[lo:hi].tolist() if greedy else choose_tokens(chosen[lo:hi], g.params, g.generator).tolist()
+                for g, lo, hi in zip(generations, offsets, offsets[1:])]
 
     def step(self, work: list[tuple[str, DraftTree]]) -> list[StepResult]:
         """Verify each session's tree in one batched forward, accept, commit. All trees are validated
@@ -190,16 +212,14 @@ class Engine:
             s.block_table.prepare_write(a, b, self.kv)
 
         blocks = [BlockSpec.from_tree(s.kv_len, s.root, t, s.block_table.pages) for s, t in zip(sessions, trees)]
-        batch = build_verify_batch(blocks, self.device)
-        hidden, features = self._forward(batch)
-        logits = self.model.logits(hidden)  # [N, V]
-        offsets = batch.cu_tree.tolist()
+        hidden, features = self.forward(blocks)
+        offsets = [0, *itertools.accumulate(len(b.tokens) for b in blocks)]
+        targets = self._targets(hidden, [s.generation for s in sessions], offsets)
 
         results, src_rows, dst_slots = [], [], []
-        for s, tree, lo, hi in zip(sessions, trees, offsets, offsets[1:]):
+        for s, tree, lo, session_targets in zip(sessions, trees, offsets, targets):
             generation = s.generation
-            targets = choose_tokens(logits[lo:hi], generation.params, generation.generator).tolist()
-            path, bonus = accept_path(tree, targets)
+            path, bonus = accept_path(tree, session_targets)
             emitted, reason = generation.stop.feed([tree.tokens[i] for i in path] + [bonus])
             # NOTE: KV keeps tokens[:-1], so the root and all emitted tokens but the last are committed.
             rows = [lo] + [lo + 1 + i for i in path[: len(emitted) - 1]]
@@ -218,8 +238,11 @@ class Engine:
                 features=None if features is None else features[rows],
                 finished=reason,
             ))
-        self.backend.commit(self.kv, self.scratch, torch.tensor(src_rows, device=self.device),
-                            torch.tensor(dst_slots, device=self.device))
+        self.commit(src_rows, dst_slots)
         for s in sessions:
             s.block_table.truncate(s.kv_len)  # give back pages reserved for deeper paths
         return results
+
+
+def checkpoint_tokenizer(path: str | Path) -> Tokenizer | None:
+    return Tokenizer.from_dir(path) if (Path(path) / "tokenizer.json").is_file() else None

@@ -1,0 +1,251 @@
+"""Tensor parallelism on the CPU (gloo): the sharding plan, a sharded forward against the whole model, and the
+verifier service over N ranks (real processes, real gRPC) against N = 1, plus a rank killed mid-generation."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+import torch.distributed as dist
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from ddtree.local_stack import free_port, wait_healthy
+from modeling.checkpoint import load_causal_lm, save_sharded
+from modeling.config import ModelConfig
+from modeling.tensor_parallel import even_split, load_shard, plan_shards, weight_share
+from modeling.tiny import random_weights
+from proto import common_pb2, verifier_pb2, verifier_pb2_grpc
+from tests.engine_helpers import make_engine, plain_generate
+from verifier_service.engine.sampling import SamplingParams
+
+# 8 KV heads, 16 query heads: N = 3 and N = 7 give uneven shards (3/3/2 and 2/1/1/1/1/1/1 KV groups).
+WIDE = {"architectures": ["Qwen3ForCausalLM"], "vocab_size": 320, "hidden_size": 64, "intermediate_size": 100,
+        "num_hidden_layers": 2, "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 8,
+        "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 4096, "torch_dtype": "float32",
+        "eos_token_id": 256}
+# Qwen2 (q/k/v bias) with an MLP bias and tied embeddings: every kind of split the loader knows.
+BIASED = {**WIDE, "architectures": ["Qwen2ForCausalLM"], "mlp_bias": True, "tie_word_embeddings": True}
+MAX_NEW = 40
+
+
+def write_checkpoint(path: Path, raw: dict, seed: int = 0) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(raw))
+    tensors = random_weights(ModelConfig.from_hf(raw), seed, std=0.05)
+    save_sharded(tensors, path, max_shard_bytes=sum(t.numel() * 4 for t in tensors.values()) // 2 + 1)
+    return path
+
+
+@pytest.fixture(scope="module")
+def wide_target(tmp_path_factory) -> Path:
+    return write_checkpoint(tmp_path_factory.mktemp("wide"), WIDE)
+
+
+# ---- the plan ------------------------------------------------------------------------------------------------
+
+
+def test_even_split_is_contiguous_and_balanced() -> None:
+    for total, parts in [(8, 7), (100, 3), (320, 7), (12288, 7), (5, 5)]:
+        ranges = even_split(total, parts)
+        assert ranges[0][0] == 0 and ranges[-1][1] == total
+        assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+        assert max(e - s for s, e in ranges) - min(e - s for s, e in ranges) <= 1
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 7, 8])
+def test_plan_gives_whole_kv_groups_and_covers_everything(world_size: int) -> None:
+    config = ModelConfig.from_hf({**WIDE, "num_attention_heads": 32})  # a Qwen3-8B-shaped head layout
+    shards = plan_shards(config, world_size)
+    assert [s.rank for s in shards] == list(range(world_size))
+    kv_counts = [s.kv_heads[1] - s.kv_heads[0] for s in shards]
+    assert sum(kv_counts) == 8 and min(kv_counts) >= 1 and max(kv_counts) == -(-8 // world_size)
+    for shard in shards:
+        assert shard.heads == (shard.kv_heads[0] * 4, shard.kv_heads[1] * 4)  # query heads follow their group
+        local = shard.local_config(config)
+        assert local.group_size == config.group_size and local.head_dim == config.head_dim
+    assert sum(weight_share(config, s) for s in shards) == pytest.approx(1.0)
+    if world_size == 7:
+        assert kv_counts == [2, 1, 1, 1, 1, 1, 1]
+
+
+def test_plan_parts_index_the_checkpoint_tensors() -> None:
+    config = ModelConfig.from_hf(WIDE)
+    shard = plan_shards(config, 7)[0]  # KV heads 0..1, query heads 0..3, head_dim 8
+    assert shard.part("model.layers.1.self_attn.q_proj.weight") == (slice(0, 32),)
+    assert shard.part("model.layers.1.self_attn.k_proj.bias") == (slice(0, 16),)
+    assert shard.part("model.layers.1.self_attn.o_proj.weight") == (slice(None), slice(0, 32))
+    assert shard.part("model.layers.0.mlp.down_proj.weight") == (slice(None), slice(0, 15))
+    assert shard.part("model.layers.0.mlp.down_proj.bias") is None  # added once, after the all-reduce
+    assert shard.part("model.embed_tokens.weight") == (slice(0, 46),)
+    assert shard.part("model.layers.0.self_attn.q_norm.weight") is None
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        plan_shards(config, 9)
+
+
+# ---- a sharded forward equals the whole one --------------------------------------------------------------------
+
+
+def causal_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    scores = torch.einsum("thd,shd->hts", q, k) / q.shape[-1] ** 0.5
+    causal = torch.ones(q.shape[0], q.shape[0], dtype=torch.bool).tril()
+    return torch.einsum("hts,shd->thd", scores.masked_fill(~causal, float("-inf")).softmax(-1), v)
+
+
+def sharded_forward(rank: int, world_size: int, checkpoint: str, store_file: str, out: str) -> None:
+    """One rank of the sharded forward (spawned); rank 0 saves what it computed."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=world_size)
+    model = load_shard(checkpoint, world_size, rank)
+    ids = torch.arange(37) * 7 % 320
+    with torch.no_grad():
+        hidden, features = model(ids, torch.arange(37), causal_attention, capture_layers=(1, 0))
+        results = {"hidden": hidden, "features": features, "logits": model.logits(hidden),
+                   "greedy": model.greedy_tokens(hidden)}
+    if rank == 0:
+        torch.save(results, out)
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("raw", [WIDE, BIASED], ids=["qwen3", "qwen2-bias-tied"])
+def test_sharded_forward_equals_the_whole_model(raw: dict, tmp_path) -> None:
+    checkpoint = write_checkpoint(tmp_path / "model", raw)
+    out = tmp_path / "rank0.pt"
+    torch.multiprocessing.spawn(sharded_forward, args=(3, str(checkpoint), str(tmp_path / "store"), str(out)),
+                                nprocs=3)
+    whole = load_causal_lm(checkpoint)
+    ids = torch.arange(37) * 7 % 320
+    with torch.no_grad():
+        hidden, features = whole(ids, torch.arange(37), causal_attention, capture_layers=(1, 0))
+    got = torch.load(out)
+    torch.testing.assert_close(got["hidden"], hidden, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(got["features"], features, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(got["logits"], whole.logits(hidden), atol=1e-5, rtol=1e-4)
+    assert torch.equal(got["greedy"], whole.greedy_tokens(hidden))
+
+
+# ---- the service over N ranks ------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def ngram_drafter(tmp_path_factory):
+    address = f"127.0.0.1:{free_port()}"
+    log = open(tmp_path_factory.mktemp("logs") / "drafter.log", "wb")  # noqa: SIM115
+    process = subprocess.Popen([sys.executable, "-m", "drafter_service.server", "--drafter", "ngram",
+                                "--listen", address], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_healthy(address, 60, process)
+        yield address
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.wait(10)
+
+
+@contextmanager
+def verifier(target: Path, world_size: int, drafter: str, log_dir: Path):
+    address = f"127.0.0.1:{free_port()}"
+    log = open(log_dir / f"verifier-tp{world_size}.log", "wb")  # noqa: SIM115
+    process = subprocess.Popen([sys.executable, "-m", "verifier_service.server", "--target", str(target),
+                                "--listen", address, "--drafters", drafter, "--tensor-parallel", str(world_size),
+                                "--page-size", "16", "--kv-budget-mb", "4", "--tree-budget", "8"],
+                               stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_healthy(address, 90, process)
+        with grpc.insecure_channel(address) as channel:
+            channel.process = process
+            yield channel
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+        process.wait(20)
+
+
+def generate(stub: verifier_pb2_grpc.VerifierStub, session_id: str, max_new: int = MAX_NEW,
+             keep: bool = False) -> tuple[list[int], int]:
+    """-> tokens, draft nodes verified."""
+    params = common_pb2.SamplingParams(max_new_tokens=max_new, ignore_eos=True)
+    tokens, drafted = [], 0
+    for step in stub.Generate(verifier_pb2.VerifierGenerateRequest(session_id=session_id, params=params,
+                                                                   keep_session=keep), timeout=120):
+        tokens += step.token_ids
+        drafted += step.drafted_nodes
+    return tokens, drafted
+
+
+def create(stub: verifier_pb2_grpc.VerifierStub, prompt: list[int]) -> str:
+    request = verifier_pb2.VerifierCreateSessionRequest(prompt_token_ids=prompt)
+    return stub.CreateSession(request, timeout=60).session.session_id
+
+
+def prompts(seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(256) for _ in range(n)] for n in (5, 17, 40)]
+
+
+@pytest.mark.parametrize("model, world_size", [("tiny", 2), ("wide", 3), ("wide", 7)])
+def test_greedy_over_n_ranks_equals_one_rank(model, world_size, tiny_target, wide_target, ngram_drafter,
+                                             tmp_path) -> None:
+    target = tiny_target if model == "tiny" else wide_target
+    reference = make_engine(target)  # N = 1
+    expected = [plain_generate(reference, p, SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True))
+                for p in prompts(world_size)]
+    with verifier(target, world_size, ngram_drafter, tmp_path) as channel:
+        stub = verifier_pb2_grpc.VerifierStub(channel)
+        drafted = 0
+        for prompt, want in zip(prompts(world_size), expected):
+            tokens, nodes = generate(stub, create(stub, prompt))
+            assert tokens == want
+            drafted += nodes
+        assert drafted > 0  # tree steps, not only plain decoding
+        # a fork writes into its shared last page: a copy-on-write page copy on every rank
+        parent = create(stub, prompts(world_size)[1])
+        first, _ = generate(stub, parent, max_new=3, keep=True)
+        fork = stub.ForkSession(verifier_pb2.VerifierForkSessionRequest(session_id=parent), timeout=10).session_id
+        for session in (parent, fork):
+            tokens, _ = generate(stub, session, max_new=MAX_NEW - 3)
+            assert first + tokens == expected[1]
+        info = stub.Info(verifier_pb2.VerifierInfoRequest(), timeout=10)
+        assert info.free_pages == info.kv_capacity_pages and info.active_sessions == 0
+
+
+def follower_pids(pid: int) -> list[int]:
+    children = [int(c) for task in Path(f"/proc/{pid}/task").iterdir()
+                for c in (task / "children").read_text().split()]
+    return [c for c in children if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
+
+
+def test_a_rank_killed_mid_generation_makes_the_service_unavailable(tiny_target, ngram_drafter, tmp_path) -> None:
+    with verifier(tiny_target, 2, ngram_drafter, tmp_path) as channel:
+        stub = verifier_pb2_grpc.VerifierStub(channel)
+        health = health_pb2_grpc.HealthStub(channel)
+        (follower,) = follower_pids(channel.process.pid)
+        params = common_pb2.SamplingParams(max_new_tokens=4000, ignore_eos=True)
+        steps = stub.Generate(verifier_pb2.VerifierGenerateRequest(session_id=create(stub, prompts(0)[2]),
+                                                                   params=params), timeout=60)
+        next(steps)
+        killed = time.monotonic()
+        os.kill(follower, signal.SIGKILL)
+        with pytest.raises(grpc.RpcError) as error:
+            for _ in steps:
+                pass
+        assert error.value.code() == grpc.StatusCode.UNAVAILABLE, error.value.details()
+        assert time.monotonic() - killed < 10
+        while health.Check(health_pb2.HealthCheckRequest(), timeout=5).status != \
+                health_pb2.HealthCheckResponse.NOT_SERVING:
+            assert time.monotonic() - killed < 10
+            time.sleep(0.05)
+        with pytest.raises(grpc.RpcError) as error:
+            create(stub, [1, 2, 3])
+        assert error.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert channel.process.poll() is None  # still up, reporting NOT_SERVING
