@@ -36,7 +36,9 @@ class TritonBackend:
     one-launch KV commit. Launch shapes come from host-side bounds: no device sync per layer."""
 
     def __init__(self) -> None:
-        from kernels import commit_kv, hybrid_verify_attention
+        # NOTE: from the submodules: `kernels.commit_kv` is both a submodule and a function name.
+        from kernels.commit_kv import commit_kv
+        from kernels.verify_attention import hybrid_verify_attention
 
         self._verify, self._commit = hybrid_verify_attention, commit_kv
 
