@@ -21,6 +21,7 @@ from kernels.split_kv import (
     check_host_bounds,
     check_paged_kv,
     default_config,
+    dot_precision,
     plan_splits,
     prefix_partials,
 )
@@ -34,7 +35,7 @@ MAX_TREE_LEN = 256
 def _attend_tree_block(
     q, acc, m_i, l_i,  # q: [BLOCK_M, D]; acc: [BLOCK_M, D] fp32; m_i, l_i: [BLOCK_M]
     tree_k_ptr, tree_v_ptr, mask_rows, row_ok, q_start, q_len, t0, qk_scale, stride_tn,
-    HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Online-softmax step over tree tokens [t0, t0 + BLOCK_T) under the ancestor bits."""
     cols = t0 + tl.arange(0, BLOCK_T)
@@ -42,7 +43,7 @@ def _attend_tree_block(
     dims = tl.arange(0, HEAD_DIM)
     kv_rows = (q_start + cols) * stride_tn
     k = tl.load(tree_k_ptr + kv_rows[:, None] + dims[None, :], mask=col_ok[:, None], other=0.0)
-    s = tl.dot(q, tl.trans(k))  # [BLOCK_M, BLOCK_T], unscaled
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_T], unscaled
     words = tl.load(mask_rows[:, None] + cols[None, :] // 32, mask=row_ok[:, None] & col_ok[None, :], other=0)
     visible = ((words >> (cols[None, :] % 32)) & 1) != 0
     s = tl.where(visible, s, float("-inf"))
@@ -51,7 +52,7 @@ def _attend_tree_block(
     p = tl.math.exp2(s * qk_scale - m_safe[:, None])
     alpha = tl.math.exp2(m_i - m_safe)
     v = tl.load(tree_v_ptr + kv_rows[:, None] + dims[None, :], mask=col_ok[:, None], other=0.0)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return acc, m_new, l_i * alpha + tl.sum(p, 1)
 
 
@@ -64,6 +65,7 @@ def _tree_merge_kernel(
     stride_ps, stride_pn, stride_ph, stride_ls, stride_ln,
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr, HAS_TREE: tl.constexpr, MERGE_STAGES: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     m_block = tl.program_id(0)
     seq = tl.program_id(1) // NUM_KV_HEADS
@@ -89,7 +91,8 @@ def _tree_merge_kernel(
         tree_v = tree_v_ptr + kv_head * stride_th
         for t0 in range(0, q_len, BLOCK_T):
             acc, m_i, l_i = _attend_tree_block(q, acc, m_i, l_i, tree_k, tree_v, mask_rows, row_ok, q_start,
-                                               q_len, t0, qk_scale, stride_tn, HEAD_DIM, BLOCK_T)
+                                               q_len, t0, qk_scale, stride_tn, HEAD_DIM, BLOCK_T,
+                                               DOT_PRECISION)
 
     num_splits = tl.cdiv(tl.load(prefix_lens_ptr + seq), chunk_len)
     for split in tl.range(num_splits, num_stages=MERGE_STAGES):
@@ -135,7 +138,7 @@ def merge_partials(
         part_lse.stride(0), part_lse.stride(1),
         NUM_KV_HEADS=num_kv_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_M=MERGE_BLOCK_M,
         BLOCK_T=max(16, min(64, triton.next_power_of_2(max_q_len))), HAS_TREE=tree is not None,
-        MERGE_STAGES=MERGE_STAGES, num_warps=4, num_stages=2,
+        MERGE_STAGES=MERGE_STAGES, DOT_PRECISION=dot_precision(q), num_warps=4, num_stages=2,
     )
     return out
 
