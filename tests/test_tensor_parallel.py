@@ -3,12 +3,14 @@ verifier service over N ranks (real processes, real gRPC) against N = 1, plus a 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -27,6 +29,8 @@ from modeling.tiny import random_weights
 from proto import common_pb2, verifier_pb2, verifier_pb2_grpc
 from tests.engine_helpers import make_engine, plain_generate
 from verifier_service.engine.sampling import SamplingParams
+from verifier_service.metrics import VerifierMetrics
+from verifier_service.service import EngineDown, VerifierService
 
 # 8 KV heads, 16 query heads: N = 3 and N = 7 give uneven shards (3/3/2 and 2/1/1/1/1/1/1 KV groups).
 WIDE = {"architectures": ["Qwen3ForCausalLM"], "vocab_size": 320, "hidden_size": 64, "intermediate_size": 100,
@@ -35,7 +39,7 @@ WIDE = {"architectures": ["Qwen3ForCausalLM"], "vocab_size": 320, "hidden_size":
         "eos_token_id": 256}
 # Qwen2 (q/k/v bias) with an MLP bias and tied embeddings: every kind of split the loader knows.
 BIASED = {**WIDE, "architectures": ["Qwen2ForCausalLM"], "mlp_bias": True, "tie_word_embeddings": True}
-MAX_NEW = 40
+MAX_NEW = 32
 
 
 def write_checkpoint(path: Path, raw: dict, seed: int = 0) -> Path:
@@ -103,36 +107,47 @@ def causal_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     return torch.einsum("hts,shd->thd", scores.masked_fill(~causal, float("-inf")).softmax(-1), v)
 
 
-def sharded_forward(rank: int, world_size: int, checkpoint: str, store_file: str, out: str) -> None:
-    """One rank of the sharded forward (spawned); rank 0 saves what it computed."""
-    torch.set_num_threads(1)
+IDS = torch.arange(37) * 7 % 320
+
+
+def sharded_forward(rank: int, world_size: int, checkpoints: list[str], store_file: str) -> list[dict]:
+    """One rank's forwards: hidden states, drafter features, gathered logits and greedy tokens per checkpoint."""
     dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=world_size)
-    model = load_shard(checkpoint, world_size, rank)
-    ids = torch.arange(37) * 7 % 320
-    with torch.no_grad():
-        hidden, features = model(ids, torch.arange(37), causal_attention, capture_layers=(1, 0))
-        results = {"hidden": hidden, "features": features, "logits": model.logits(hidden),
-                   "greedy": model.greedy_tokens(hidden)}
-    if rank == 0:
-        torch.save(results, out)
-    dist.destroy_process_group()
+    results = []
+    try:
+        for checkpoint in checkpoints:
+            model = load_shard(checkpoint, world_size, rank)
+            with torch.no_grad():
+                hidden, features = model(IDS, torch.arange(len(IDS)), causal_attention, capture_layers=(1, 0))
+                results.append({"hidden": hidden, "features": features, "logits": model.logits(hidden),
+                                "greedy": model.greedy_tokens(hidden)})
+    finally:
+        dist.destroy_process_group()
+    return results
 
 
-@pytest.mark.parametrize("raw", [WIDE, BIASED], ids=["qwen3", "qwen2-bias-tied"])
-def test_sharded_forward_equals_the_whole_model(raw: dict, tmp_path) -> None:
-    checkpoint = write_checkpoint(tmp_path / "model", raw)
-    out = tmp_path / "rank0.pt"
-    torch.multiprocessing.spawn(sharded_forward, args=(3, str(checkpoint), str(tmp_path / "store"), str(out)),
-                                nprocs=3)
-    whole = load_causal_lm(checkpoint)
-    ids = torch.arange(37) * 7 % 320
-    with torch.no_grad():
-        hidden, features = whole(ids, torch.arange(37), causal_attention, capture_layers=(1, 0))
-    got = torch.load(out)
-    torch.testing.assert_close(got["hidden"], hidden, atol=1e-5, rtol=1e-4)
-    torch.testing.assert_close(got["features"], features, atol=1e-5, rtol=1e-4)
-    torch.testing.assert_close(got["logits"], whole.logits(hidden), atol=1e-5, rtol=1e-4)
-    assert torch.equal(got["greedy"], whole.greedy_tokens(hidden))
+def follower_forward(index: int, *args) -> None:
+    torch.set_num_threads(1)
+    sharded_forward(index + 1, *args)
+
+
+def test_sharded_forward_equals_the_whole_model(tmp_path) -> None:
+    """Over 3 ranks (uneven: 3/3/2 KV groups, 34/33/33 MLP columns, 107/107/106 vocab rows; rank 0 in this
+    process), for a Qwen3 model and for a Qwen2 one with q/k/v and MLP biases and tied embeddings."""
+    checkpoints = [str(write_checkpoint(tmp_path / name, raw)) for name, raw in (("qwen3", WIDE), ("qwen2", BIASED))]
+    args = (3, checkpoints, str(tmp_path / "store"))
+    followers = torch.multiprocessing.start_processes(follower_forward, args=args, nprocs=2, join=False)
+    results = sharded_forward(0, *args)
+    while not followers.join():
+        pass
+    for checkpoint, got in zip(checkpoints, results):
+        whole = load_causal_lm(checkpoint)
+        with torch.no_grad():
+            hidden, features = whole(IDS, torch.arange(len(IDS)), causal_attention, capture_layers=(1, 0))
+        torch.testing.assert_close(got["hidden"], hidden, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(got["features"], features, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(got["logits"], whole.logits(hidden), atol=1e-5, rtol=1e-4)
+        assert torch.equal(got["greedy"], whole.greedy_tokens(hidden))
 
 
 # ---- the service over N ranks ------------------------------------------------------------------------------------
@@ -188,41 +203,48 @@ def create(stub: verifier_pb2_grpc.VerifierStub, prompt: list[int]) -> str:
     return stub.CreateSession(request, timeout=60).session.session_id
 
 
-def prompts(seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(256) for _ in range(n)] for n in (5, 17, 40)]
+def prompt_of(length: int) -> list[int]:
+    rng = random.Random(length)
+    return [rng.randrange(256) for _ in range(length)]
 
 
-@pytest.mark.parametrize("model, world_size", [("tiny", 2), ("wide", 3), ("wide", 7)])
-def test_greedy_over_n_ranks_equals_one_rank(model, world_size, tiny_target, wide_target, ngram_drafter,
-                                             tmp_path) -> None:
+# NOTE: 7 gloo ranks on 2 cores make every collective slow (~25 ms): that case runs fewer tokens.
+@pytest.mark.parametrize("model, world_size, prompt_lengths, fork", [
+    ("tiny", 2, (5, 40), True), ("wide", 3, (17, 33), True), ("wide", 7, (33,), False)])
+def test_greedy_over_n_ranks_equals_one_rank(model, world_size, prompt_lengths, fork, tiny_target, wide_target,
+                                             ngram_drafter, tmp_path) -> None:
     target = tiny_target if model == "tiny" else wide_target
     reference = make_engine(target)  # N = 1
-    expected = [plain_generate(reference, p, SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True))
-                for p in prompts(world_size)]
+    params = SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True)
+    expected = {n: plain_generate(reference, prompt_of(n), params) for n in prompt_lengths}
     with verifier(target, world_size, ngram_drafter, tmp_path) as channel:
         stub = verifier_pb2_grpc.VerifierStub(channel)
         drafted = 0
-        for prompt, want in zip(prompts(world_size), expected):
-            tokens, nodes = generate(stub, create(stub, prompt))
-            assert tokens == want
+        for n in prompt_lengths:
+            tokens, nodes = generate(stub, create(stub, prompt_of(n)))
+            assert tokens == expected[n]
             drafted += nodes
         assert drafted > 0  # tree steps, not only plain decoding
-        # a fork writes into its shared last page: a copy-on-write page copy on every rank
-        parent = create(stub, prompts(world_size)[1])
-        first, _ = generate(stub, parent, max_new=3, keep=True)
-        fork = stub.ForkSession(verifier_pb2.VerifierForkSessionRequest(session_id=parent), timeout=10).session_id
-        for session in (parent, fork):
-            tokens, _ = generate(stub, session, max_new=MAX_NEW - 3)
-            assert first + tokens == expected[1]
+        if fork:  # the parent's and the fork's next writes land in their shared last page: a copy-on-write copy
+            n = prompt_lengths[-1]
+            parent = create(stub, prompt_of(n))
+            first, _ = generate(stub, parent, max_new=3, keep=True)
+            child = stub.ForkSession(verifier_pb2.VerifierForkSessionRequest(session_id=parent), timeout=10).session_id
+            for session in (parent, child):
+                tokens, _ = generate(stub, session, max_new=MAX_NEW - 3)
+                assert first + tokens == expected[n]
         info = stub.Info(verifier_pb2.VerifierInfoRequest(), timeout=10)
         assert info.free_pages == info.kv_capacity_pages and info.active_sessions == 0
 
 
-def follower_pids(pid: int) -> list[int]:
-    children = [int(c) for task in Path(f"/proc/{pid}/task").iterdir()
-                for c in (task / "children").read_text().split()]
-    return [c for c in children if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
+def children(pid: int) -> list[int]:
+    return [int(c) for task in Path(f"/proc/{pid}/task").iterdir() for c in (task / "children").read_text().split()]
+
+
+def follower_pids(verifier_pid: int) -> list[int]:
+    """The followers are the children of the verifier's multiprocessing fork server."""
+    (server,) = [c for c in children(verifier_pid) if b"forkserver" in Path(f"/proc/{c}/cmdline").read_bytes()]
+    return children(server)
 
 
 def test_a_rank_killed_mid_generation_makes_the_service_unavailable(tiny_target, ngram_drafter, tmp_path) -> None:
@@ -231,7 +253,7 @@ def test_a_rank_killed_mid_generation_makes_the_service_unavailable(tiny_target,
         health = health_pb2_grpc.HealthStub(channel)
         (follower,) = follower_pids(channel.process.pid)
         params = common_pb2.SamplingParams(max_new_tokens=4000, ignore_eos=True)
-        steps = stub.Generate(verifier_pb2.VerifierGenerateRequest(session_id=create(stub, prompts(0)[2]),
+        steps = stub.Generate(verifier_pb2.VerifierGenerateRequest(session_id=create(stub, prompt_of(40)),
                                                                    params=params), timeout=60)
         next(steps)
         killed = time.monotonic()
@@ -249,3 +271,28 @@ def test_a_rank_killed_mid_generation_makes_the_service_unavailable(tiny_target,
             create(stub, [1, 2, 3])
         assert error.value.code() == grpc.StatusCode.UNAVAILABLE
         assert channel.process.poll() is None  # still up, reporting NOT_SERVING
+
+
+def test_a_stuck_engine_thread_holds_no_request_once_the_engine_is_down(tiny_target) -> None:
+    """With NCCL, rank 0 can sit in a collective with a dead peer until the timeout: the watchdog's `fail`
+    must not wait for it."""
+    engine = make_engine(tiny_target)
+    collective = threading.Event()
+    engine.step = lambda work: collective.wait()  # a step that never returns by itself
+
+    async def scenario() -> None:
+        service = VerifierService(engine, None, VerifierMetrics())
+        await service.start()
+        session = await service.create_session([1, 2, 3])
+        steps = service.generate(session.session_id, [], SamplingParams(max_new_tokens=4), keep_session=False)
+        first = asyncio.ensure_future(anext(steps))
+        await asyncio.sleep(0.2)
+        assert not first.done()
+        service.fail("rank 1 exited")
+        with pytest.raises(EngineDown, match="rank 1 exited"):
+            await asyncio.wait_for(first, 1.0)
+        with pytest.raises(EngineDown):
+            await service.create_session([4, 5])
+        collective.set()
+        await service.stop()
+    asyncio.run(scenario())

@@ -240,7 +240,10 @@ class TensorParallelGroup:
         store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, timeout=timedelta(seconds=timeout_s),
                               wait_for_workers=False)
         setup = GroupSetup(target, world_size, config, store.port, timeout_s)
-        context = multiprocessing.get_context("spawn")
+        # NOTE: followers fork from a clean server process (no threads, no CUDA) that imported torch and this
+        # module once; building a model on the meta device imports torch._dynamo, a few seconds of CPU, so once too.
+        context = multiprocessing.get_context("forkserver")
+        context.set_forkserver_preload([__name__, "torch._dynamo"])
         processes, pipes = [], []
         for rank in range(1, world_size):
             receive, send = context.Pipe(duplex=False)
