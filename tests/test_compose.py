@@ -200,12 +200,13 @@ def test_both_drafter_replicas_serve_sessions(stack) -> None:
     hosts = {container.attrs["Config"]["Hostname"] for container in stack.containers("drafter")}
     assert len(hosts) == 2
     expected = stack.offline(PROMPT, MAX_NEW)
-    for _ in range(6):  # sessions go round robin over the replicas the verifier has found by DNS
+    for _ in range(10):  # sessions go round robin over the replicas the verifier has found by DNS
         generation = stack.client().generate(PROMPT, max_new_tokens=MAX_NEW, ignore_eos=True)
         list(generation)
         assert generation.token_ids == expected
         if set(stack.trees_per_replica()) == hosts:
             break
+        time.sleep(0.5)
     trees = stack.trees_per_replica()
     assert set(trees) == hosts and min(trees.values()) > 0, trees
 
@@ -227,7 +228,7 @@ class Streaming(threading.Thread):
 
 
 def test_drafter_stopped_mid_generation_stays_exact(stack) -> None:
-    prompt, max_new = "A drafter goes away, the tokens stay", 200
+    prompt, max_new = "A drafter goes away, the tokens stay", 400
     expected = stack.offline(prompt, max_new)
     # Two sessions at once: round robin puts them on different replicas, so one runs on the stopped drafter.
     runs = [Streaming(stack.client().generate(prompt, max_new_tokens=max_new, ignore_eos=True)) for _ in range(2)]
@@ -245,8 +246,15 @@ def test_drafter_stopped_mid_generation_stays_exact(stack) -> None:
     assert max(at_stop) < max_new, "the generations ended before the drafter stopped"
     assert [c.name for c in stack.containers("drafter")] == [survivor.name]  # stays stopped: restart unless-stopped
 
-    before = stack.trees_per_replica().get(survivor.attrs["Config"]["Hostname"], 0.0)
-    generation = stack.client().generate(PROMPT, max_new_tokens=MAX_NEW, ignore_eos=True)
-    list(generation)
-    assert generation.token_ids == stack.offline(PROMPT, MAX_NEW)
-    assert stack.trees_per_replica()[survivor.attrs["Config"]["Hostname"]] > before
+    # New sessions go to the survivor. NOTE: the drafter ages its connections out (about every 40 s); the
+    # verifier reconnects within its refresh period, and a session started in that gap runs without a drafter.
+    host = survivor.attrs["Config"]["Hostname"]
+    before, expected = stack.trees_per_replica().get(host, 0.0), stack.offline(PROMPT, MAX_NEW)
+    for _ in range(5):
+        generation = stack.client().generate(PROMPT, max_new_tokens=MAX_NEW, ignore_eos=True)
+        list(generation)
+        assert generation.token_ids == expected
+        if stack.trees_per_replica().get(host, 0.0) > before:
+            break
+        time.sleep(1)
+    assert stack.trees_per_replica().get(host, 0.0) > before
