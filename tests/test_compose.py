@@ -180,11 +180,13 @@ def stack(docker_client, tmp_path_factory):
         copy_models_out(stack.containers("verifier")[0], stack.model_dir)
         yield stack
     finally:
-        log = tmp_path_factory.getbasetemp() / f"{project}.log"
-        with open(log, "w") as file:
-            stack.run("logs", "--no-color", "--timestamps", stdout=file, stderr=subprocess.STDOUT, timeout=60)
-        print(f"compose logs: {log}")
-        stack.run("down", "--volumes", "--remove-orphans", "--timeout", "5", timeout=120)
+        try:
+            log = tmp_path_factory.getbasetemp() / f"{project}.log"
+            with open(log, "w") as file:
+                stack.run("logs", "--no-color", "--timestamps", stdout=file, stderr=subprocess.STDOUT, timeout=60)
+            print(f"compose logs: {log}")
+        finally:
+            stack.run("down", "--volumes", "--remove-orphans", "--timeout", "5", timeout=120)
 
 
 def test_generation_through_the_gateway_equals_offline(stack) -> None:
