@@ -53,7 +53,9 @@ async def serve(args: argparse.Namespace) -> None:
     drafter = load_drafter(args.drafter, args.target, args.device, args.dtype, args.context_window or None,
                            args.max_budget, (args.ngram_min, args.ngram_max))
     servicer = DrafterServicer(drafter, args.replica_id)
-    server = grpc.aio.server(options=server_options())
+    # NOTE: verifiers find new replicas by re-resolving the name themselves; a long connection age only bounds
+    # how long a verifier keeps a connection to an address that DNS no longer lists.
+    server = grpc.aio.server(options=server_options(max_connection_age_s=300.0))
     drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, server)
     health_servicer = add_health_and_reflection(server, [SERVICE_NAME])
     port = server.add_insecure_port(args.listen)

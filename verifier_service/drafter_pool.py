@@ -38,13 +38,14 @@ def resolve_targets(target: str) -> list[str]:
 class ReplicaLink:
     """One replica: a channel, its Draft stream, and the replies awaited on it."""
 
-    def __init__(self, address: str, on_session_error: Callable[[str], None]):
+    def __init__(self, address: str, on_session_error: Callable[[str], None], on_lost: Callable[[], None]):
         self.address = address
         self.channel = grpc.aio.insecure_channel(address)
         self.stub = drafter_pb2_grpc.DrafterStub(self.channel)
         self.outbox: asyncio.Queue[drafter_pb2.DrafterRequest | None] = asyncio.Queue()
         self.waiting: dict[tuple[str, int], asyncio.Future] = {}
         self.on_session_error = on_session_error
+        self.on_lost = on_lost
         self.info: drafter_pb2.DrafterInfoReply | None = None
         self.alive = False
         self.reader: asyncio.Task | None = None
@@ -73,11 +74,13 @@ class ReplicaLink:
         except grpc.aio.AioRpcError as error:
             log.warning("drafter %s lost: %s", self.address, error.code())
         finally:
-            self.alive = False
+            was_alive, self.alive = self.alive, False
             for future in self.waiting.values():
                 if not future.done():
                     future.set_exception(ConnectionError(f"drafter {self.address} lost"))
             self.waiting.clear()
+            if was_alive:
+                self.on_lost()
 
     def send(self, request: drafter_pb2.DrafterRequest) -> None:
         self.outbox.put_nowait(request)
@@ -116,6 +119,7 @@ class DrafterPool:
         self.info: drafter_pb2.DrafterInfoReply | None = None
         self.on_info: Callable[[drafter_pb2.DrafterInfoReply], None] = lambda info: None
         self.task: asyncio.Task | None = None
+        self.refreshing = asyncio.Lock()
 
     # ---- replicas ---------------------------------------------------------------------------------
 
@@ -128,15 +132,23 @@ class DrafterPool:
             await asyncio.gather(self.task, return_exceptions=True)
         await asyncio.gather(*(link.close() for link in self.links.values()), return_exceptions=True)
 
+    def _reconnect_soon(self) -> None:
+        """A stream ended (a replica died, or aged its connection out): reconnect now, not at the next tick."""
+        asyncio.get_running_loop().create_task(self.refresh())
+
     async def refresh(self) -> None:
         """Connect replicas that appeared (or came back); forget the ones that are gone."""
+        async with self.refreshing:
+            await self._refresh()
+
+    async def _refresh(self) -> None:
         for address in resolve_targets(self.target):
             link = self.links.get(address)
             if link is not None and link.alive:
                 continue
             if link is not None:
                 await link.close()
-            link = ReplicaLink(address, self._session_error)
+            link = ReplicaLink(address, self._session_error, self._reconnect_soon)
             try:
                 info = await link.connect(self.timeout_s)
             except (grpc.aio.AioRpcError, asyncio.TimeoutError):
