@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import random
 
+import torch
+
 from modeling.tree import DraftTree
 from verifier_service.engine.config import EngineConfig
 from verifier_service.engine.engine import Engine, StepResult
@@ -60,3 +62,12 @@ def random_tree(rng: random.Random, budget: int, vocab: int, truth: list[int], s
             parent = rng.randrange(-1, len(tokens))
         add(rng.randrange(vocab), parent)
     return DraftTree(tuple(tokens), tuple(parents), tuple(depths))
+
+
+def causal_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Plain causal attention over one sequence: the model run the way transformers runs it."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    scores = torch.einsum("thd,shd->hts", q, k) / q.shape[-1] ** 0.5
+    causal = torch.ones(q.shape[0], q.shape[0], dtype=torch.bool).tril()
+    return torch.einsum("hts,shd->thd", scores.masked_fill(~causal, float("-inf")).softmax(-1), v)

@@ -10,15 +10,7 @@ import transformers
 
 from modeling.checkpoint import load_causal_lm
 from modeling.config import ModelConfig
-
-
-def causal_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    group = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-    scores = torch.einsum("thd,shd->hts", q, k) / q.shape[-1] ** 0.5
-    causal = torch.ones(q.shape[0], q.shape[0], dtype=torch.bool).tril()
-    return torch.einsum("hts,shd->thd", scores.masked_fill(~causal, float("-inf")).softmax(-1), v)
-
+from tests.engine_helpers import causal_attention
 
 SHAPE = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
              num_key_value_heads=2, head_dim=16, max_position_embeddings=512)

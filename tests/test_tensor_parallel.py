@@ -27,7 +27,7 @@ from modeling.config import ModelConfig
 from modeling.tensor_parallel import even_split, load_shard, plan_shards, weight_share
 from modeling.tiny import random_weights
 from proto import common_pb2, verifier_pb2, verifier_pb2_grpc
-from tests.engine_helpers import make_engine, plain_generate
+from tests.engine_helpers import causal_attention, make_engine, plain_generate
 from verifier_service.engine.sampling import SamplingParams
 from verifier_service.metrics import VerifierMetrics
 from verifier_service.service import EngineDown, VerifierService
@@ -97,14 +97,6 @@ def test_plan_parts_index_the_checkpoint_tensors() -> None:
 
 
 # ---- a sharded forward equals the whole one --------------------------------------------------------------------
-
-
-def causal_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    group = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-    scores = torch.einsum("thd,shd->hts", q, k) / q.shape[-1] ** 0.5
-    causal = torch.ones(q.shape[0], q.shape[0], dtype=torch.bool).tril()
-    return torch.einsum("hts,shd->thd", scores.masked_fill(~causal, float("-inf")).softmax(-1), v)
 
 
 IDS = torch.arange(37) * 7 % 320
