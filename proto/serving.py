@@ -18,11 +18,15 @@ def message_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[st
             ("grpc.max_send_message_length", max_message_bytes)]
 
 
-def server_options(max_message_bytes: int = MAX_MESSAGE_BYTES, max_connection_age_s: float = 30.0,
+def server_options(max_message_bytes: int = MAX_MESSAGE_BYTES, max_connection_age_s: float | None = None,
                    max_connection_age_grace_s: float = 10.0) -> list[tuple[str, int]]:
-    return [*message_options(max_message_bytes),
-            ("grpc.max_connection_age_ms", int(max_connection_age_s * 1000)),
-            ("grpc.max_connection_age_grace_ms", int(max_connection_age_grace_s * 1000))]
+    """Connection ageing is for servers found through DNS (scaled replicas): clients re-resolve on reconnect.
+    NOTE: streams still open when the grace ends are cut, so servers with long streams keep it off."""
+    options = message_options(max_message_bytes)
+    if max_connection_age_s is not None:
+        options += [("grpc.max_connection_age_ms", int(max_connection_age_s * 1000)),
+                    ("grpc.max_connection_age_grace_ms", int(max_connection_age_grace_s * 1000))]
+    return options
 
 
 def add_health_and_reflection(server: grpc.aio.Server, service_names: list[str]) -> health.aio.HealthServicer:
