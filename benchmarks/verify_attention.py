@@ -278,10 +278,14 @@ def stage_times(s: Session, gen: torch.Generator) -> dict:
             "prefix_stage_ms": time_graph(prefix), "tree_merge_stage_ms": time_graph(merge)}
 
 
-def stages(kv, gen: torch.Generator) -> list[dict]:
-    """Where the time goes at 128k."""
-    rows = [stage_times(Session(kv, Problem(131072, tree_len), gen), gen) for tree_len in (16, 64, 128)]
-    print(json.dumps(rows), flush=True)
+def stages(kv, gen: torch.Generator, lengths: tuple[int, ...] = (131072,),
+           trees: tuple[int, ...] = (16, 64, 128)) -> list[dict]:
+    """Where the time goes: each stage timed alone (the variants that drop the other stage)."""
+    rows = []
+    for prefix_len in lengths:
+        for tree_len in trees:
+            rows.append({"prefix_len": prefix_len, **stage_times(Session(kv, Problem(prefix_len, tree_len), gen), gen)})
+            print(json.dumps(rows[-1]), flush=True)
     return rows
 
 
@@ -315,6 +319,8 @@ def main() -> None:
     parser.add_argument("--trees", type=int, nargs="+", default=[16, 64, 128])
     parser.add_argument("--sweep", action="store_true", help="also time launch shapes and stages at 128k")
     parser.add_argument("--skip-slow", action="store_true", help="no dense-mask SDPA above 64k")
+    parser.add_argument("--stages-only", action="store_true",
+                        help="only time the prefix stage and the tree + merge stage alone, at --lengths x --trees")
     args = parser.parse_args()
     command = "python " + " ".join(sys.argv)
     torch.manual_seed(0)
@@ -326,6 +332,11 @@ def main() -> None:
     kv = tuple(torch.randn(max_len, HKV, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     result = {"command": command, "device": torch.cuda.get_device_name(), "copy_bytes_per_s": bw,
               "matmul_flop_per_s": rate, "torch": torch.__version__, "triton": triton.__version__}
+    if args.stages_only:
+        rows = stages(kv, gen, tuple(args.lengths), tuple(args.trees))
+        args.out_dir.mkdir(parents=True, exist_ok=True)
+        (args.out_dir / "verify_attention_stages.json").write_text(json.dumps({**result, "stages": rows}, indent=1))
+        return
     if args.sweep:
         configs = [SplitConfig(bm, bn, w, st, pps) for bm, bn, w, st, pps in [
             (64, 64, 4, 3, 2), (64, 64, 4, 4, 2), (64, 32, 4, 4, 2), (128, 64, 8, 2, 1),
