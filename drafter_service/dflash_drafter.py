@@ -59,10 +59,6 @@ class DFlashDrafter:
     def block_size(self) -> int:
         return self.model.config.block_size
 
-    @property
-    def num_sessions(self) -> int:
-        return len(self._sessions)
-
     def __contains__(self, session_id: str) -> bool:
         return session_id in self._sessions
 

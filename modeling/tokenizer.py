@@ -24,9 +24,6 @@ class Tokenizer:
     def decode(self, ids: list[int]) -> str:
         return self.inner.decode(ids, skip_special_tokens=False)
 
-    def token_id(self, token: str) -> int | None:
-        return self.inner.token_to_id(token)
-
 
 class TextStream:
     """Turns a growing list of token ids into text deltas, holding back incomplete UTF-8 sequences."""
