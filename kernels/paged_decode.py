@@ -30,7 +30,11 @@ def paged_decode_attention(
     max_seq_len: int,
     cfg: SplitConfig | None = None,
 ) -> torch.Tensor:  # [B, Hq, D]
-    """Each query attends to its sequence's first `seq_lens[b]` positions; `max_seq_len` bounds them."""
+    """Each query attends to its sequence's first `seq_lens[b]` positions.
+
+    `max_seq_len` bounds `seq_lens` and only picks the launch shape: results are correct, and each
+    sequence is spread over every split, for any lengths up to it (one CUDA graph serves them all).
+    """
     check_paged_kv(q, k_pages, v_pages, block_tables, seq_lens)
     check_host_bounds(sm_scale, max_seq_len)
     if q.shape[0] != block_tables.shape[0]:

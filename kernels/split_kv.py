@@ -6,6 +6,10 @@ each K/V byte of the chunk is read once for all of them instead of once per quer
 whole number of KV blocks read page by page (each K/V row is HEAD_DIM contiguous elements: coalesced);
 the prefix is fully visible, so only the sequence's last partial block is masked. Each program writes a
 normalised partial output and its log2-sum-exp; `verify_attention.merge_partials` folds them together.
+
+The host fixes only the split count (from host-side bounds, so a launch can be captured once in a CUDA
+graph); each sequence cuts its own prefix into that many chunks on the device (`split_chunk_len`), so
+a short prefix under a long bound still spreads over every split instead of leaving most idle.
 """
 
 from __future__ import annotations
@@ -48,12 +52,16 @@ def default_config(rows: int, head_dim: int) -> SplitConfig:
 
 @dataclass(frozen=True)
 class SplitPlan:
-    """How one launch cuts the work: derived from host-side upper bounds only (no GPU sync)."""
+    """How one launch cuts the work: derived from host-side upper bounds only (no GPU sync).
+
+    Chunk lengths are not part of the plan: each sequence derives its own from its prefix length on the
+    device (`split_chunk_len`), so one plan serves every prefix length up to the bound.
+    """
 
     block_m: int
     num_m_blocks: int
-    num_splits: int
-    chunk_len: int  # prefix keys per split, a multiple of block_n
+    num_splits: int  # prefix chunks per (sequence, KV head, query block); 0 when the bound is 0
+    block_n: int  # keys per inner step; chunks are whole multiples of it
 
 
 @functools.cache
@@ -69,18 +77,27 @@ def plan_splits(
 ) -> SplitPlan:
     """Pick the query block and split count so the grid fills the GPU without a ragged last wave.
 
-    `rows` bounds the query rows of one (sequence, KV head) tile: GROUP x max query tokens.
+    `rows` bounds the query rows of one (sequence, KV head) tile: GROUP x max query tokens. The split
+    count is sized for the bound `max_prefix_len`; a sequence with a shorter prefix uses the same splits
+    with shorter chunks, so its time scales with its own length.
     """
     block_m = min(cfg.block_m, max(16, triton.next_power_of_2(rows)))
     num_m_blocks = triton.cdiv(rows, block_m)
     kv_blocks = triton.cdiv(max_prefix_len, cfg.block_n)
     tiles = max(1, num_seqs * num_kv_heads * num_m_blocks)
     slots = multiprocessor_count(device) * cfg.programs_per_sm
-    num_splits = max(1, min(kv_blocks, slots // tiles))
-    chunk_len = triton.cdiv(kv_blocks, num_splits) * cfg.block_n
-    if chunk_len == 0:  # no prefix at all: only the tree block
-        return SplitPlan(block_m, num_m_blocks, 0, cfg.block_n)
-    return SplitPlan(block_m, num_m_blocks, triton.cdiv(max_prefix_len, chunk_len), chunk_len)
+    num_splits = min(kv_blocks, max(1, slots // tiles))  # 0 only without any prefix: only the tree block
+    return SplitPlan(block_m, num_m_blocks, num_splits, cfg.block_n)
+
+
+@triton.jit
+def split_chunk_len(prefix_len, num_splits, BLOCK_N: tl.constexpr):
+    """Prefix keys per split for one sequence: its KV blocks spread evenly over all `num_splits`.
+
+    Splits [0, cdiv(prefix_len, chunk)) hold keys; later ones are empty. The prefix and merge kernels
+    must agree on this, so both call it.
+    """
+    return tl.maximum(tl.cdiv(tl.cdiv(prefix_len, BLOCK_N), tl.maximum(num_splits, 1)), 1) * BLOCK_N
 
 
 @triton.jit
@@ -115,7 +132,7 @@ def _attend_kv_block(
 def _prefix_partials_kernel(
     q_ptr, k_pages_ptr, v_pages_ptr, block_tables_ptr, prefix_lens_ptr, cu_q_ptr,
     part_o_ptr, part_lse_ptr,  # [S, N, Hq, D] fp32, [S, N, Hq] fp32
-    qk_scale, chunk_len,
+    qk_scale, num_splits,
     stride_qn, stride_qh, stride_page, stride_slot, stride_kvh, stride_bt,
     stride_ps, stride_pn, stride_ph, stride_ls, stride_ln,
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
@@ -128,6 +145,7 @@ def _prefix_partials_kernel(
     q_start = tl.load(cu_q_ptr + seq)
     num_rows = (tl.load(cu_q_ptr + seq + 1) - q_start) * GROUP
     prefix_len = tl.load(prefix_lens_ptr + seq)
+    chunk_len = split_chunk_len(prefix_len, num_splits, BLOCK_N)
     kv_start = split * chunk_len
     if m_block * BLOCK_M >= num_rows or kv_start >= prefix_len:
         return
@@ -184,12 +202,12 @@ def prefix_partials(
     grid = (plan.num_m_blocks, plan.num_splits, block_tables.shape[0] * num_kv_heads)
     _prefix_partials_kernel[grid](
         q, k_pages, v_pages, block_tables, prefix_lens, cu_q, part_o, part_lse,
-        sm_scale * LOG2E, plan.chunk_len,
+        sm_scale * LOG2E, plan.num_splits,
         q.stride(0), q.stride(1), k_pages.stride(0), k_pages.stride(1), k_pages.stride(2),
         block_tables.stride(0), part_o.stride(0), part_o.stride(1), part_o.stride(2),
         part_lse.stride(0), part_lse.stride(1),
         NUM_KV_HEADS=num_kv_heads, GROUP=num_q_heads // num_kv_heads, HEAD_DIM=head_dim,
-        PAGE_SIZE=page_size, BLOCK_M=plan.block_m, BLOCK_N=cfg.block_n, DOT_PRECISION=dot_precision(q),
+        PAGE_SIZE=page_size, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, DOT_PRECISION=dot_precision(q),
         num_warps=cfg.num_warps if plan.block_m >= 64 else 4, num_stages=cfg.num_stages,
     )
     return part_o, part_lse

@@ -1,6 +1,8 @@
 """Hybrid verify attention: a long paged prefix (no mask) plus a small tree block (ancestor mask).
 
-Two launches, both CUDA-graph capturable (every size comes from host-side upper bounds):
+Two launches, both CUDA-graph capturable (every size comes from host-side upper bounds; the lengths
+themselves are read on the device, so one capture replays correctly and at full speed for any lengths
+up to the bounds):
 1. `split_kv.prefix_partials`: flash-decoding over the prefix, all query heads of a KV group and all
    tree tokens of a sequence in one tile, so each prefix K/V byte is read once;
 2. `_tree_merge_kernel`: each small tile of query rows attends its tree block under the bit-packed
@@ -24,6 +26,7 @@ from kernels.split_kv import (
     dot_precision,
     plan_splits,
     prefix_partials,
+    split_chunk_len,
 )
 
 MERGE_BLOCK_M = 16  # small row tiles: many programs share the partials' read traffic
@@ -60,12 +63,12 @@ def _attend_tree_block(
 def _tree_merge_kernel(
     q_ptr, tree_k_ptr, tree_v_ptr, tree_mask_ptr, cu_q_ptr, prefix_lens_ptr,
     part_o_ptr, part_lse_ptr, out_ptr,
-    qk_scale, chunk_len,
+    qk_scale, num_splits,
     stride_qn, stride_qh, stride_tn, stride_th, stride_mn, stride_on, stride_oh,
     stride_ps, stride_pn, stride_ph, stride_ls, stride_ln,
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr, HAS_TREE: tl.constexpr, MERGE_STAGES: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, HAS_TREE: tl.constexpr,
+    MERGE_STAGES: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     m_block = tl.program_id(0)
     seq = tl.program_id(1) // NUM_KV_HEADS
@@ -94,8 +97,10 @@ def _tree_merge_kernel(
                                                q_len, t0, qk_scale, stride_tn, HEAD_DIM, BLOCK_T,
                                                DOT_PRECISION)
 
-    num_splits = tl.cdiv(tl.load(prefix_lens_ptr + seq), chunk_len)
-    for split in tl.range(num_splits, num_stages=MERGE_STAGES):
+    prefix_len = tl.load(prefix_lens_ptr + seq)
+    # NOTE: the prefix stage's own chunks: only the splits that held keys wrote partials (none if num_splits == 0).
+    valid_splits = tl.minimum(tl.cdiv(prefix_len, split_chunk_len(prefix_len, num_splits, BLOCK_N)), num_splits)
+    for split in tl.range(valid_splits, num_stages=MERGE_STAGES):
         lse = tl.load(part_lse_ptr + split * stride_ls + token * stride_ln + head, mask=row_ok, other=0.0)
         part = split * stride_ps + token * stride_pn + head * stride_ph
         o = tl.load(part_o_ptr + part[:, None] + dims[None, :], mask=row_ok[:, None], other=0.0)
@@ -132,13 +137,13 @@ def merge_partials(
         return out
     _tree_merge_kernel[grid](
         q, tree_k, tree_v, tree_mask, cu_q, prefix_lens, part_o, part_lse, out,
-        sm_scale * LOG2E, plan.chunk_len,
+        sm_scale * LOG2E, plan.num_splits,
         q.stride(0), q.stride(1), tree_k.stride(0), tree_k.stride(1), tree_mask.stride(0),
         out.stride(0), out.stride(1), part_o.stride(0), part_o.stride(1), part_o.stride(2),
         part_lse.stride(0), part_lse.stride(1),
         NUM_KV_HEADS=num_kv_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_M=MERGE_BLOCK_M,
-        BLOCK_T=max(16, min(64, triton.next_power_of_2(max_q_len))), HAS_TREE=tree is not None,
-        MERGE_STAGES=MERGE_STAGES, DOT_PRECISION=dot_precision(q), num_warps=4, num_stages=2,
+        BLOCK_T=max(16, min(64, triton.next_power_of_2(max_q_len))), BLOCK_N=plan.block_n,
+        HAS_TREE=tree is not None, MERGE_STAGES=MERGE_STAGES, DOT_PRECISION=dot_precision(q), num_warps=4, num_stages=2,
     )
     return out
 
@@ -178,7 +183,9 @@ def hybrid_verify_attention(
     """Same result as `reference.verify_attention_reference`.
 
     `max_prefix_len` and `max_tree_len` are host-side upper bounds on `prefix_lens` and on the tree
-    sizes in `cu_tree`: the launch shapes come from them, so nothing here waits on the GPU.
+    sizes in `cu_tree`: they only pick the launch shape, so nothing here waits on the GPU. The result is
+    correct, and each sequence's prefix is spread over every split, for any lengths up to the bounds: a
+    CUDA graph captured at `max_prefix_len = max_context` replays at the speed of the real lengths.
     """
     check_paged_kv(q, k_pages, v_pages, block_tables, prefix_lens)
     check_host_bounds(sm_scale, max_prefix_len, max_tree_len)

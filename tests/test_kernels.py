@@ -27,7 +27,7 @@ from kernels.reference import (  # noqa: E402
     pack_tree_mask,
     verify_attention_reference,
 )
-from kernels.split_kv import SplitConfig  # noqa: E402
+from kernels.split_kv import SplitConfig, SplitPlan, plan_splits, prefix_partials  # noqa: E402
 from kernels.verify_attention import hybrid_verify_attention  # noqa: E402
 
 GPU = torch.cuda.is_available()
@@ -37,6 +37,10 @@ cpu_only = pytest.mark.skipif(GPU, reason="the interpreter cases run on CPU mach
 # NOTE: the interpreter also computes the padding rows of a tile, where 0/0 is harmless and never stored.
 pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
 TOL = {torch.float32: (1e-4, 1e-4), torch.float16: (3e-3, 1e-2), torch.bfloat16: (1.5e-2, 2e-2)}
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(a // -b)
 
 
 def small_config(**overrides: int) -> SplitConfig:
@@ -84,8 +88,10 @@ def verify_case(lens: list[int], trees: list[int], hq: int, hkv: int, d: int, pa
     return {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in args.items()}
 
 
-def check_verify(case: dict, lens: list[int], trees: list[int], cfg: SplitConfig | None = None) -> None:
-    out = hybrid_verify_attention(**case, max_prefix_len=max(lens), max_tree_len=max(trees), cfg=cfg)
+def check_verify(case: dict, lens: list[int], trees: list[int], cfg: SplitConfig | None = None,
+                 max_prefix_len: int | None = None) -> None:
+    bound = max(lens) if max_prefix_len is None else max_prefix_len
+    out = hybrid_verify_attention(**case, max_prefix_len=bound, max_tree_len=max(trees), cfg=cfg)
     ref = verify_attention_reference(**case)
     assert out.dtype == case["q"].dtype and out.shape == case["q"].shape
     atol, rtol = TOL[out.dtype]
@@ -123,13 +129,14 @@ def test_verify_attention_random_interpreter(seed):
 
 
 def check_decode(lens: list[int], hq: int, hkv: int, d: int, page_size: int, dtype: torch.dtype,
-                 cfg: SplitConfig | None = None) -> None:
+                 cfg: SplitConfig | None = None, max_seq_len: int | None = None) -> None:
     gen = torch.Generator().manual_seed(sum(lens))
     k_pages, v_pages, tables = paged_kv(lens, page_size, hkv, d, dtype, gen)
     q = torch.randn(len(lens), hq, d, generator=gen).to(dtype)
     k_pages, v_pages, tables, q = (t.to(DEVICE) for t in (k_pages, v_pages, tables, q))
     seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
-    out = paged_decode_attention(q, k_pages, v_pages, tables, seq_lens, d**-0.5, max(lens), cfg=cfg)
+    bound = max(lens) if max_seq_len is None else max_seq_len
+    out = paged_decode_attention(q, k_pages, v_pages, tables, seq_lens, d**-0.5, bound, cfg=cfg)
     for b, n in enumerate(lens):
         keys = gather_prefix(k_pages, tables[b], n).float().repeat_interleave(hq // hkv, dim=1)  # [n, Hq, D]
         values = gather_prefix(v_pages, tables[b], n).float().repeat_interleave(hq // hkv, dim=1)
@@ -145,6 +152,84 @@ def check_decode(lens: list[int], hq: int, hkv: int, d: int, page_size: int, dty
 ])
 def test_paged_decode_interpreter(lens, heads, page_size, dtype):
     check_decode(lens, *heads, 32, page_size, dtype, small_config(block_n=16))
+
+
+# The engine captures one launch per (batch, tokens) bucket at max_prefix_len = max_context: the bound
+# only sizes the grid, each sequence cuts its own prefix into chunks on the device.
+@cpu_only
+@pytest.mark.parametrize("lens,trees,heads,page_size,dtype,bound", [
+    ([37, 0, 100, 5], [5, 3, 9, 1], (8, 2), 16, torch.float16, 131072),
+    ([0, 211, 64], [7, 1, 16], (4, 4), 64, torch.float32, 20000),
+    ([0], [12], (4, 1), 16, torch.float16, 4096),
+])
+def test_verify_attention_bound_above_lengths_interpreter(lens, trees, heads, page_size, dtype, bound):
+    case = verify_case(lens, trees, *heads, 32, page_size, dtype, seed=sum(lens))
+    check_verify(case, lens, trees, small_config(block_n=16), max_prefix_len=bound)
+
+
+@cpu_only
+def test_paged_decode_bound_above_lengths_interpreter():
+    check_decode([1, 70, 129, 3], 8, 2, 32, 16, torch.float16, small_config(block_n=16), max_seq_len=65536)
+
+
+@cpu_only
+def test_prefix_chunks_spread_over_every_split_interpreter():
+    """Under a bound far above the real lengths, split i of a sequence holds keys [i * c, (i + 1) * c),
+    c = cdiv(cdiv(len, block_n), num_splits) * block_n: the whole prefix spreads over all splits."""
+    lens, trees, block_n, num_splits = [0, 37, 200, 1000], [3, 2, 4, 1], 16, 5
+    case = verify_case(lens, trees, 4, 2, 32, 16, torch.float32, seed=11)
+    plan = SplitPlan(block_m=16, num_m_blocks=1, num_splits=num_splits, block_n=block_n)
+    cfg = small_config(block_m=16, block_n=block_n)
+    part_o, part_lse = prefix_partials(case["q"], case["k_pages"], case["v_pages"], case["block_tables"],
+                                       case["prefix_lens"], case["cu_tree"], case["sm_scale"], plan, cfg)
+    for b, n in enumerate(lens):
+        lo, hi = int(case["cu_tree"][b]), int(case["cu_tree"][b + 1])
+        chunk = max(1, cdiv(cdiv(n, block_n), num_splits)) * block_n
+        used = cdiv(n, chunk)
+        assert used == min(num_splits, cdiv(n, block_n))
+        keys = gather_prefix(case["k_pages"], case["block_tables"][b], n).repeat_interleave(2, dim=1)
+        values = gather_prefix(case["v_pages"], case["block_tables"][b], n).repeat_interleave(2, dim=1)
+        for split in range(used):
+            span = slice(split * chunk, min(n, (split + 1) * chunk))
+            scores = torch.einsum("thd,shd->hts", case["q"][lo:hi], keys[span]) * case["sm_scale"]
+            want = torch.einsum("hts,shd->thd", scores.softmax(-1), values[span])
+            torch.testing.assert_close(part_o[split, lo:hi], want, atol=1e-4, rtol=1e-4)
+            lse = scores.logsumexp(-1).transpose(0, 1) * 1.4426950408889634  # log2 domain, [T, Hq]
+            torch.testing.assert_close(part_lse[split, lo:hi], lse, atol=1e-4, rtol=1e-4)
+
+
+def check_one_plan_many_lengths(lens_per_replay: list[list[int]], trees: list[int], bound: int,
+                                dtype: torch.dtype, heads: tuple[int, int], d: int, page_size: int,
+                                cfg: SplitConfig | None, graph: bool) -> None:
+    """What CUDA-graph replay does: one plan and one set of launch arguments (the same tensors), new
+    prefix lengths written in place before each run. Pages cover the longest lengths."""
+    longest = [max(step[b] for step in lens_per_replay) for b in range(len(trees))]
+    case = verify_case(longest, trees, *heads, d, page_size, dtype, seed=5)
+    prefix_lens = case["prefix_lens"]
+    run = lambda: hybrid_verify_attention(**case, max_prefix_len=bound, max_tree_len=max(trees), cfg=cfg)
+    if graph:
+        torch.cuda.synchronize()
+        run()  # compile outside the capture
+        cuda_graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(cuda_graph):
+            out = run()
+    for lens in lens_per_replay:
+        prefix_lens.copy_(torch.tensor(lens, dtype=torch.int32))
+        if graph:
+            cuda_graph.replay()
+        else:
+            out = run()
+        ref = verify_attention_reference(**case)
+        atol, rtol = TOL[dtype]
+        torch.testing.assert_close(out.float(), ref.float(), atol=atol, rtol=rtol, msg=f"prefix_lens {lens}")
+
+
+@cpu_only
+def test_one_plan_many_prefix_lengths_interpreter():
+    cfg = small_config(block_n=16, programs_per_sm=4)
+    assert plan_splits(2, 1, 8 * 6, 8192, DEVICE, cfg).num_splits == 8  # the bound picks the splits
+    steps = [[300, 0], [0, 5], [16, 290], [163, 17], [299, 300]]
+    check_one_plan_many_lengths(steps, [4, 6], 8192, torch.float16, (8, 1), 32, 16, cfg, graph=False)
 
 
 def check_commit(dtype: torch.dtype, layers: int = 3) -> None:
@@ -226,3 +311,18 @@ def test_verify_attention_cuda_graph():
     graph.replay()
     atol, rtol = TOL[torch.bfloat16]
     torch.testing.assert_close(out.float(), verify_attention_reference(**case).float(), atol=atol, rtol=rtol)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("trees", [[16, 16], [64, 3]])
+def test_verify_attention_cuda_graph_any_prefix_len(trees):
+    """One capture at the engine's max_context bound replays correctly for any prefix lengths below it."""
+    steps = [[16000, 0], [5, 70001], [131072, 64], [0, 0], [1000, 999]]
+    check_one_plan_many_lengths(steps, trees, 131072, torch.bfloat16, (32, 8), 128, 64, None, graph=True)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_paged_decode_bound_above_lengths_gpu():
+    check_decode([1, 4000, 129, 63], 32, 8, 128, 64, torch.bfloat16, max_seq_len=131072)
