@@ -1,7 +1,8 @@
 """One decode step of a Qwen3-8B-shaped target (random bf16 weights) on one GPU, side by side:
 
-- this engine: the verify step alone (forward + logits) and the whole engine step (batch building,
-  verify, target tokens, acceptance, commit), and draft + tree + step with a 5-layer DFlash-shaped drafter;
+- this engine: the verify step alone (forward + greedy head, replayed from a CUDA graph, and eagerly),
+  the whole engine step (batch upload, verify, target tokens, acceptance, commit), and draft + tree + step
+  with a 5-layer DFlash-shaped drafter; for the breakdown, the attention kernel alone x 36 layers;
 - the DDTree reference way: HF transformers Qwen3ForCausalLM on the same weights, SDPA with a dense 4-D
   additive mask over prefix + tree, DynamicCache cropped back after the step;
 - the roofline floor: max(weight + KV bytes / copy bandwidth, FLOPs / bf16 matmul rate), both measured here.
@@ -14,6 +15,7 @@ The KV prefix holds random values (timing does not depend on them); no prefill i
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -146,6 +148,21 @@ def hf_step_fn(hf, context: int, tree: DraftTree):
     return step, cache
 
 
+def attention_alone(engine: Engine, block: BlockSpec) -> float:
+    """One layer's verify attention (the engine's kernel, graph bound as in a captured step), in ms."""
+    if engine.device.type != "cuda":
+        return float("nan")
+    import triton.testing
+
+    batch = build_verify_batch([block], engine.device)
+    batch = dataclasses.replace(batch, max_prefix_len=engine.max_context)
+    config, rows = engine.model_config, batch.num_tokens
+    q = torch.randn(rows, config.num_heads, config.head_dim, dtype=engine.kv.k.dtype, device=engine.device)
+    tree_k, tree_v = engine.scratch.k[0, :rows], engine.scratch.v[0, :rows]
+    run = lambda: engine.backend.verify(q, engine.kv.k[0], engine.kv.v[0], tree_k, tree_v, batch, engine.sm_scale)
+    return triton.testing.do_bench_cudagraph(run, return_mode="median")
+
+
 def measure(engine: Engine, hf, drafter: DFlashTreeDrafter, context: int, budget: int, floor: dict) -> dict:
     generator = torch.Generator().manual_seed(context + budget)
     config = engine.model_config
@@ -154,11 +171,18 @@ def measure(engine: Engine, hf, drafter: DFlashTreeDrafter, context: int, budget
     engine.start_generation(session_id, SamplingParams(max_new_tokens=1 << 20, ignore_eos=True))
     session = engine.session(session_id)
 
+    session.block_table.prepare_write(session.kv_len, session.kv_len + tree.max_depth() + 1, engine.kv)
+    block = BlockSpec.from_tree(session.kv_len, session.root, tree, session.block_table.pages)
+
     @torch.inference_mode()
     def verify_only() -> None:
-        block = BlockSpec.from_tree(session.kv_len, session.root, tree, session.block_table.pages)
+        hidden, _ = engine.forward([block])
+        engine.head(hidden, greedy=True).tolist()
+
+    @torch.inference_mode()
+    def verify_eager() -> None:
         hidden, _ = engine._forward(build_verify_batch([block], engine.device))
-        engine.model.logits(hidden).argmax(-1).tolist()
+        engine.head(hidden, greedy=True).tolist()
 
     def engine_step() -> None:
         engine.step([(session_id, tree)])
@@ -176,6 +200,8 @@ def measure(engine: Engine, hf, drafter: DFlashTreeDrafter, context: int, budget
         engine.step([(session_id, drafted)])
 
     row = {"context": context, "budget": budget, "verify_ms": timed(verify_only),
+           "verify_eager_ms": timed(verify_eager),
+           "attention_ms": attention_alone(engine, block) * config.num_layers,
            "engine_step_ms": timed(engine_step), "draft_and_step_ms": timed(whole_step)}
     drafter.close(session_id)
     engine.release_session(session_id)
@@ -197,13 +223,15 @@ def measure(engine: Engine, hf, drafter: DFlashTreeDrafter, context: int, budget
 def markdown(result: dict) -> str:
     lines = [f"# End-to-end decode step, Qwen3-8B shape, bf16, {result['device']}", "",
              f"`{result['command']}`", "",
-             f"copy bandwidth {result['bandwidth'] / 1e12:.2f} TB/s, bf16 matmul {result['rate'] / 1e12:.0f} TFLOP/s; "
-             "no CUDA graphs yet (eager PyTorch + Triton attention kernels).", "",
-             "| context | budget | roofline | verify | verify / roofline | engine step | draft + tree + step "
-             "| HF reference | HF / verify |", "|---|---|---|---|---|---|---|---|---|"]
+             f"copy bandwidth {result['bandwidth'] / 1e12:.2f} TB/s, bf16 matmul {result['rate'] / 1e12:.0f} TFLOP/s.",
+             "verify = forward replayed from a CUDA graph + greedy head + reading the tokens; eager = the same "
+             "forward launched op by op; attention = the verify kernel alone x layers (its share of verify).", "",
+             "| context | budget | roofline | verify | verify / roofline | eager verify | attention | engine step "
+             "| draft + tree + step | HF reference | HF / verify |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         lines.append(f"| {r['context'] // 1024}k | {r['budget']} | {r['roofline_ms']:.2f} | {r['verify_ms']:.2f} | "
-                     f"{r['verify_vs_roofline']:.2f}x | {r['engine_step_ms']:.2f} | {r['draft_and_step_ms']:.2f} | "
+                     f"{r['verify_vs_roofline']:.2f}x | {r['verify_eager_ms']:.2f} | {r['attention_ms']:.2f} | "
+                     f"{r['engine_step_ms']:.2f} | {r['draft_and_step_ms']:.2f} | "
                      f"{r['hf_reference_ms']:.1f} | {r['hf_vs_verify']:.1f}x |")
     return "\n".join(lines) + "\n\nTimes in ms, mean over repeated steps with the GPU synchronised per measurement.\n"
 

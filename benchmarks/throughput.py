@@ -2,6 +2,7 @@
 (n-gram drafter by default) vs plain decoding, on the same prompts. Writes benchmarks/results/throughput.*.
 
     python benchmarks/throughput.py --target DIR --device cuda [--concurrency 1 4 16] [--context 4096]
+    python benchmarks/throughput.py --random-target DIR --device cuda   # writes a Qwen3-0.6B-shaped random model
     python benchmarks/throughput.py --tiny --context 512 --concurrency 1 4   # CPU smoke run
 """
 
@@ -17,6 +18,12 @@ from pathlib import Path
 
 from ddtree.client import AsyncClient
 from ddtree.local_stack import LocalStack, ensure_tiny_model, free_port
+from modeling.tiny import make_tiny_target
+
+# Qwen3-0.6B's layers with the byte-level tokenizer of the tiny model (random weights: no hub downloads).
+QWEN3_06B_LAYERS = {"hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,
+                    "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128, "rope_theta": 1e6,
+                    "max_position_embeddings": 40960, "torch_dtype": "bfloat16"}
 
 PARAGRAPH = ("The verifier keeps the prefix dense in pages, the drafter proposes a tree, and the target checks "
              "every branch in one pass. ")
@@ -55,6 +62,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--target", help="HF checkpoint directory")
     parser.add_argument("--tiny", action="store_true", help="the tiny built-in model on the CPU")
+    parser.add_argument("--random-target", type=Path,
+                        help="write a random Qwen3-0.6B-shaped bf16 model (byte-level tokenizer) here and use it")
     parser.add_argument("--drafter", default="ngram")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
@@ -64,10 +73,13 @@ def main() -> None:
     parser.add_argument("--out-dir", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()
     target = str(ensure_tiny_model()[0]) if args.tiny else args.target
+    if args.random_target:
+        target = str(make_tiny_target(args.random_target, shape=QWEN3_06B_LAYERS))
     if target is None:
         raise SystemExit("--target DIR or --tiny")
     verifier_args = ("--tree-budget", str(args.tree_budget), "--max-context", str(args.context + 2048),
-                     *(("--attention", "triton", "--prefill-chunk", "256") if args.device == "cuda" else ()))
+                     *(("--attention", "triton", "--prefill-chunk", "256", "--kv-budget-mb", "16384")
+                       if args.device == "cuda" else ()))
     runs = {name: measure(target, drafter, args.device, verifier_args, args.concurrency, args.context,
                           args.max_new_tokens)
             for name, drafter in (("speculative", args.drafter), ("plain", "none"))}

@@ -12,6 +12,13 @@ from modeling.config import ModelConfig
 from modeling.rope import apply_rotary
 
 
+def fused_ops():
+    """The fused Triton versions of the row-wise ops, used on CUDA tensors (Triton loads only there)."""
+    from kernels import fused_layer_ops
+
+    return fused_layer_ops
+
+
 class LayerAttention(Protocol):
     """The attention of one layer over whatever KV state the caller keeps (pages, drafter cache)."""
 
@@ -27,10 +34,19 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:
+            return fused_ops().rms_norm(x, self.weight, self.eps)
         # NOTE: normalise in fp32 and scale after casting back, as HF checkpoints were trained.
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
+
+    def add_and_norm(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual add and this norm: (x + delta, norm(x + delta))."""
+        if x.is_cuda:
+            return fused_ops().add_rms_norm(x, delta, self.weight, self.eps)
+        total = x + delta
+        return total, self(total)
 
 
 class MLP(nn.Module):
@@ -42,6 +58,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(i, h, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:
+            return self.down_proj(fused_ops().silu_mul(self.gate_proj(x), self.up_proj(x)))
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -64,19 +82,22 @@ class Attention(nn.Module):
 
     def query(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         q = self.q_proj(x).view(x.shape[0], self.num_heads, self.head_dim)  # [N, Hq, D]
-        if self.q_norm is not None:
-            q = self.q_norm(q)
-        return apply_rotary(q, cos, sin)
+        return norm_rope(q, self.q_norm, cos, sin)
 
     def key_value(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         k = self.k_proj(x).view(x.shape[0], self.num_kv_heads, self.head_dim)  # [N, Hkv, D]
         v = self.v_proj(x).view(x.shape[0], self.num_kv_heads, self.head_dim)
-        if self.k_norm is not None:
-            k = self.k_norm(k)
-        return apply_rotary(k, cos, sin), v
+        return norm_rope(k, self.k_norm, cos, sin), v
 
     def output(self, attn: torch.Tensor) -> torch.Tensor:
         return self.o_proj(attn.reshape(attn.shape[0], -1))
+
+
+def norm_rope(x: torch.Tensor, norm: RMSNorm | None, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The per-head q/k norm (when the model has one) and RoPE; x: [N, H, D]."""
+    if x.is_cuda:
+        return fused_ops().norm_rope(x, None if norm is None else norm.weight, norm.eps if norm else 0.0, cos, sin)
+    return apply_rotary(x if norm is None else norm(x), cos, sin)
 
 
 class DecoderLayer(nn.Module):
@@ -92,5 +113,5 @@ class DecoderLayer(nn.Module):
         h = self.input_layernorm(x)
         q = self.self_attn.query(h, cos, sin)
         k, v = self.self_attn.key_value(h, cos, sin)
-        x = x + self.self_attn.output(attend(index, q, k, v))
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x, h = self.post_attention_layernorm.add_and_norm(x, self.self_attn.output(attend(index, q, k, v)))
+        return x + self.mlp(h)

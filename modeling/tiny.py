@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from modeling.checkpoint import save_sharded
-from modeling.config import ModelConfig, read_config_json
+from modeling.config import ModelConfig, parse_dtype, read_config_json
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>")
 EOS_TOKEN = "<|endoftext|>"
@@ -78,14 +78,17 @@ def _random_tensors(shapes: dict[str, torch.Size], seed: int, std: float) -> dic
             for name, shape in shapes.items()}
 
 
-def make_tiny_target(path: str | Path, seed: int = 0) -> Path:
-    """Write config.json, two safetensors shards + index, tokenizer.json into `path`."""
+def make_tiny_target(path: str | Path, seed: int = 0, shape: dict | None = None) -> Path:
+    """Write config.json, two safetensors shards + index, tokenizer.json into `path`. `shape` overrides config
+    fields (a bigger random model with the same byte-level tokenizer, e.g. for GPU benchmarks; its
+    `torch_dtype` is the dtype the weights are saved in)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    raw = dict(TINY_TARGET_CONFIG)
+    raw = {**TINY_TARGET_CONFIG, **(shape or {})}
     (path / "config.json").write_text(json.dumps(raw, indent=2))
-    tensors = random_weights(ModelConfig.from_hf(raw), seed)
-    total = sum(t.numel() * 4 for t in tensors.values())
+    dtype = parse_dtype(raw["torch_dtype"])
+    tensors = {name: t.to(dtype) for name, t in random_weights(ModelConfig.from_hf(raw), seed).items()}
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
     save_sharded(tensors, path, max_shard_bytes=total // 2 + 1)
     byte_level_tokenizer().save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": EOS_TOKEN, "model_max_length": 8192}))

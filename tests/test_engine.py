@@ -13,9 +13,12 @@ from tests.engine_helpers import GREEDY, make_engine, plain_generate, random_tre
 from verifier_service.engine.errors import CapacityError, InvalidRequest
 from verifier_service.engine.sampling import SamplingParams
 from verifier_service.engine.stopping import StopReason
+from verifier_service.engine.verify_batch import BlockSpec, build_verify_batch
 
 BACKENDS = [pytest.param({}, id="torch-cpu"),
-            pytest.param({"device": "cuda", "attention": "triton"}, id="triton-cuda", marks=pytest.mark.gpu)]
+            pytest.param({"device": "cuda", "attention": "triton"}, id="triton-cuda-graphs", marks=pytest.mark.gpu),
+            pytest.param({"device": "cuda", "attention": "triton", "cuda_graphs": False}, id="triton-cuda-eager",
+                         marks=pytest.mark.gpu)]
 
 
 @pytest.fixture(params=BACKENDS)
@@ -238,3 +241,24 @@ def test_step_returns_features_of_committed_tokens(new_engine) -> None:
     assert result.committed == [prompt[-1], *expected[:3]] and result.features.shape == (4, 128)
     _, whole = engine.create_session(prompt + expected[:4], feature_tail=4)
     torch.testing.assert_close(result.features, whole, atol=new_engine.kv_atol, rtol=1e-3)
+
+
+@pytest.mark.gpu
+def test_graph_replays_equal_the_eager_forward(tiny_target) -> None:
+    """One captured bucket serves batches of other prefix lengths, tree shapes and session counts."""
+    engine = make_engine(tiny_target, device="cuda", attention="triton", max_batch_tokens=256)
+    rng = random.Random(3)
+    sessions = [engine.create_session(prompt_of(length, seed=length))[0] for length in (5, 40, 170, 333)]
+    buckets = []
+    for _ in range(8):
+        chosen = rng.sample(sessions, rng.randrange(1, len(sessions) + 1))
+        blocks = []
+        for session in chosen:
+            tree = random_tree(rng, rng.randrange(0, 40), 256, [], rng.choice(["chain", "wide", "random"]))
+            session.block_table.prepare_write(session.kv_len, session.kv_len + tree.max_depth() + 1, engine.kv)
+            blocks.append(BlockSpec.from_tree(session.kv_len, session.root, tree, session.block_table.pages))
+        buckets.append(engine.graphs.bucket(blocks))
+        graphed, _ = engine.forward(blocks)
+        eager, _ = engine._forward(build_verify_batch(blocks, engine.device))
+        torch.testing.assert_close(graphed, eager, atol=1e-4, rtol=1e-4)
+    assert len(engine.graphs.graphs) == len(set(buckets)) < len(buckets)  # one capture per bucket, reused

@@ -37,6 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-tree-nodes", type=int, default=255)
     parser.add_argument("--max-context", type=int, default=None)
     parser.add_argument("--prefill-chunk", type=int, default=256)
+    parser.add_argument("--no-cuda-graphs", action="store_true",
+                        help="run every forward eagerly (graphs are used on CUDA with --attention triton)")
     parser.add_argument("--metrics-port", type=int, default=0, help="Prometheus port; 0 = off")
     parser.add_argument("--tensor-parallel", type=int, default=1,
                         help="ranks (processes) the model is split over: cuda:0..N-1 with --device cuda, else gloo "
@@ -50,7 +52,8 @@ def engine_config(args: argparse.Namespace, checkpoint_dtype: str) -> EngineConf
     return EngineConfig(page_size=args.page_size, kv_budget_bytes=int(args.kv_budget_mb * (1 << 20)),
                         max_tree_nodes=args.max_tree_nodes, prefill_chunk=args.prefill_chunk,
                         max_batch_tokens=max(2048, args.prefill_chunk), max_context=args.max_context,
-                        dtype=args.dtype or checkpoint_dtype, device=args.device, attention=args.attention)
+                        dtype=args.dtype or checkpoint_dtype, device=args.device, attention=args.attention,
+                        cuda_graphs=not args.no_cuda_graphs)
 
 
 async def fail_when_a_rank_fails(group: TensorParallelGroup, service: VerifierService,

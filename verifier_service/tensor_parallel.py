@@ -189,9 +189,10 @@ class GroupSetup:
     timeout_s: float  # collectives: a dead peer fails them at once on gloo, a stuck one after this
 
     def engine_config(self, rank: int) -> EngineConfig:
-        """cuda:<rank> for rank <rank> when the engine runs on CUDA, else the CPU."""
+        """cuda:<rank> for rank <rank> when the engine runs on CUDA, else the CPU. Ranks run eagerly: a graph
+        per rank would have to capture the same buckets in the same order as its peers' collectives."""
         if torch.device(self.engine.device).type == "cuda":
-            return replace(self.engine, device=f"cuda:{rank}")
+            return replace(self.engine, device=f"cuda:{rank}", cuda_graphs=False)
         return self.engine
 
 

@@ -24,6 +24,8 @@ class EngineConfig:
     device: str = "cpu"
     attention: str = "torch"  # torch (reference) | triton
     feature_layers: tuple[int, ...] = ()  # target layers whose hidden states feed the drafter
+    cuda_graphs: bool = True  # replay captured forwards (CUDA with the triton backend only)
+    graph_max_sessions: int = 64  # larger batches run eagerly
 
     def __post_init__(self) -> None:
         if self.page_size not in PAGE_SIZES:
@@ -32,10 +34,12 @@ class EngineConfig:
             raise ValueError("prefill_chunk must be in [1, max_batch_tokens]")
         if self.max_tree_nodes + 1 > self.max_batch_tokens:
             raise ValueError("max_tree_nodes + 1 must fit in max_batch_tokens")
+        if self.graph_max_sessions < 1:
+            raise ValueError("graph_max_sessions must be >= 1")
         parse_dtype(self.dtype)
         if self.attention not in ("torch", "triton"):
             raise ValueError(f"attention must be 'torch' or 'triton', got {self.attention!r}")
-        if self.attention == "triton" and max(self.prefill_chunk, self.max_tree_tokens) > TRITON_MAX_BLOCK:
+        if self.attention == "triton" and self.max_block_tokens > TRITON_MAX_BLOCK:
             raise ValueError(f"the triton backend verifies blocks of at most {TRITON_MAX_BLOCK} tokens: "
                              "lower prefill_chunk / max_tree_nodes")
 
@@ -46,3 +50,12 @@ class EngineConfig:
     @property
     def max_tree_tokens(self) -> int:
         return self.max_tree_nodes + 1
+
+    @property
+    def max_block_tokens(self) -> int:
+        """The most rows of one verify block: a tree with its root, or a prefill chunk."""
+        return max(self.max_tree_tokens, self.prefill_chunk)
+
+    @property
+    def uses_cuda_graphs(self) -> bool:
+        return self.cuda_graphs and self.attention == "triton" and torch.device(self.device).type == "cuda"

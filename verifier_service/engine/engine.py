@@ -61,6 +61,15 @@ class Engine:
         self.sm_scale = self.model_config.head_dim ** -0.5
         self.feature_layers = config.feature_layers  # NOTE: set by the service once a drafter says which
         self.sessions: dict[str, Session] = {}
+        self.graphs = self._graphed_forward() if config.uses_cuda_graphs else None
+
+    def _graphed_forward(self):  # -> GraphedForward; imported here: Triton loads only where it runs
+        from verifier_service.engine.cuda_graphs import GraphedForward, Layout
+
+        config = self.config
+        layout = Layout(max_seqs=min(config.graph_max_sessions, config.max_batch_tokens),
+                        max_tokens=config.max_batch_tokens, max_pages=-(-self.max_context // config.page_size) + 1)
+        return GraphedForward(self._forward, layout, config.max_block_tokens, self.max_context, self.device)
 
     def _kv_cache(self, num_pages: int, dtype: torch.dtype, device: torch.device) -> KVCache:
         return KVCache(self.model.shard_config, num_pages, self.config.page_size, dtype, device)
@@ -161,6 +170,8 @@ class Engine:
 
     def forward(self, blocks: list[BlockSpec]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One forward over packed verify blocks: their K/V go to the tree scratch, never the pages."""
+        if self.graphs is not None and self.graphs.bucket(blocks) is not None:
+            return self.graphs.run(blocks, self.feature_layers)
         return self._forward(build_verify_batch(blocks, self.device))
 
     @torch.inference_mode()
@@ -174,8 +185,9 @@ class Engine:
 
     def commit(self, src_rows: list[int], dst_slots: list[int]) -> None:
         """Copy tree-scratch rows into page slots, in every layer."""
-        self.backend.commit(self.kv, self.scratch, torch.tensor(src_rows, device=self.device),
-                            torch.tensor(dst_slots, device=self.device))
+        rows = torch.tensor([src_rows, dst_slots], pin_memory=self.device.type == "cuda")
+        rows = rows.to(self.device, non_blocking=True)  # NOTE: no wait for the GPU to drain
+        self.backend.commit(self.kv, self.scratch, rows[0], rows[1])
 
     # ---- the speculative step ---------------------------------------------------------------------
 

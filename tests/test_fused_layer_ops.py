@@ -1,0 +1,62 @@
+"""The fused row-wise kernels against the plain-torch layer ops they replace on CUDA.
+
+Without CUDA they run in Triton's CPU interpreter (fp32/fp16); with CUDA (`gpu`) in bf16 too.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import fused_layer_ops as fused
+from modeling.layers import RMSNorm
+from modeling.rope import apply_rotary
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+def torch_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    norm = RMSNorm(x.shape[-1], eps).to(device="cpu", dtype=x.dtype)
+    norm.weight.data = weight.cpu()
+    return norm(x.cpu()).to(x.device)
+
+
+def close(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    tol = TOL[expected.dtype]
+    torch.testing.assert_close(actual.float(), expected.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("columns", [64, 100])
+def test_rms_norm_and_add(dtype: torch.dtype, columns: int) -> None:
+    gen = torch.Generator().manual_seed(columns)
+    x, delta = (torch.randn(7, columns, generator=gen).to(DEVICE, dtype) for _ in range(2))
+    weight = (1 + torch.randn(columns, generator=gen) / 4).to(DEVICE, dtype)
+    close(fused.rms_norm(x, weight, 1e-6), torch_norm(x, weight, 1e-6))
+    total, normed = fused.add_rms_norm(x, delta, weight, 1e-6)
+    assert torch.equal(total, x + delta)
+    close(normed, torch_norm(x + delta, weight, 1e-6))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_norm", [True, False])
+def test_norm_rope(dtype: torch.dtype, with_norm: bool) -> None:
+    gen = torch.Generator().manual_seed(int(with_norm))
+    tokens, heads, dim = 5, 3, 32
+    packed = torch.randn(tokens, heads * dim + 8, generator=gen).to(DEVICE, dtype)
+    x = packed[:, :heads * dim].view(tokens, heads, dim)  # a strided view, as q_proj(x).view(...) of a slice
+    weight = (1 + torch.randn(dim, generator=gen) / 4).to(DEVICE, dtype) if with_norm else None
+    angles = torch.rand(tokens, dim // 2, generator=gen) * 50
+    cos, sin = (torch.cat([f(angles)] * 2, -1).to(DEVICE, dtype) for f in (torch.cos, torch.sin))
+    expected = apply_rotary(torch_norm(x, weight, 1e-6) if with_norm else x, cos, sin)
+    close(fused.norm_rope(x, weight, 1e-6, cos, sin), expected)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(5)
+    gate, up = (torch.randn(3, 1500, generator=gen).mul(4).to(DEVICE, dtype) for _ in range(2))
+    close(fused.silu_mul(gate, up), F.silu(gate) * up)

@@ -1,0 +1,173 @@
+"""The engine's forward captured as CUDA graphs, one per (sessions, tokens) bucket, replayed every step.
+
+An eager forward of a 36-layer model launches ~500 kernels and costs the host tens of milliseconds, far
+more than the GPU work of a decode step. A replay costs one launch. Every launch shape inside the graph
+comes from the bucket alone: the attention kernels split each sequence's prefix on the device (any
+length up to `max_context`), and positions and ancestor masks are built on the device from parent rows.
+The host writes tokens, parent rows, prefix lengths, block starts and block tables into one pinned buffer
+and uploads it with one copy; nothing in the step waits for the GPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from kernels.tree_mask import tree_positions_and_mask
+from verifier_service.engine.verify_batch import BlockSpec, VerifyBatch
+
+Forward = Callable[[VerifyBatch], tuple[torch.Tensor, torch.Tensor | None]]
+MIN_TOKENS = 16  # smallest token bucket: below it a step costs the same (the weights dominate)
+
+
+def buckets(limit: int, smallest: int = 1) -> list[int]:
+    """Powers of two from `smallest` up to the first one >= `limit`."""
+    sizes = [smallest]
+    while sizes[-1] < limit:
+        sizes.append(sizes[-1] * 2)
+    return sizes
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where each input lives in the one int32 upload buffer (offsets in elements)."""
+
+    max_seqs: int
+    max_tokens: int
+    max_pages: int
+
+    @property
+    def ids(self) -> slice:
+        return slice(0, self.max_tokens)
+
+    @property
+    def parents(self) -> slice:
+        return slice(self.max_tokens, 2 * self.max_tokens)
+
+    @property
+    def prefix_lens(self) -> slice:
+        start = 2 * self.max_tokens
+        return slice(start, start + self.max_seqs)
+
+    @property
+    def cu_tree(self) -> slice:
+        start = 2 * self.max_tokens + self.max_seqs
+        return slice(start, start + self.max_seqs + 1)
+
+    @property
+    def tables(self) -> slice:
+        start = 2 * self.max_tokens + 2 * self.max_seqs + 1
+        return slice(start, start + self.max_seqs * self.max_pages)
+
+    @property
+    def size(self) -> int:
+        return self.tables.stop
+
+
+class _Captured:
+    def __init__(self, graph: torch.cuda.CUDAGraph, hidden: torch.Tensor, features: torch.Tensor | None):
+        self.graph, self.hidden, self.features = graph, hidden, features
+
+
+class GraphedForward:
+    """Replays captured forwards for batches that fit a bucket; captures a bucket on its first use."""
+
+    def __init__(self, forward: Forward, layout: Layout, max_block_tokens: int, max_context: int,
+                 device: torch.device):
+        """max_block_tokens: the most rows of one block (a tree with its root, or a prefill chunk)."""
+        self.forward, self.layout, self.device = forward, layout, device
+        self.max_block_tokens, self.max_context = max_block_tokens, max_context
+        self.token_buckets = buckets(layout.max_tokens, MIN_TOKENS)
+        self.seq_buckets = buckets(layout.max_seqs)
+        self.host = torch.zeros(layout.size, dtype=torch.int32, pin_memory=True)
+        self.inputs = torch.zeros(layout.size, dtype=torch.int32, device=device)
+        self.positions = torch.zeros(layout.max_tokens, dtype=torch.int64, device=device)
+        self.tree_mask = torch.zeros(layout.max_tokens, -(-max_block_tokens // 32), dtype=torch.int32, device=device)
+        self.uploaded = torch.cuda.Event()
+        self.pool = torch.cuda.graph_pool_handle()
+        self.graphs: dict[tuple, _Captured] = {}
+
+    def bucket(self, blocks: list[BlockSpec]) -> tuple[int, int] | None:
+        """(sessions, tokens) of the smallest bucket the blocks fit, None when none does."""
+        num_tokens = sum(len(b.tokens) for b in blocks)
+        if len(blocks) > self.layout.max_seqs or num_tokens > self.layout.max_tokens \
+                or max(len(b.pages) for b in blocks) > self.layout.max_pages:
+            return None
+        seqs = next(s for s in self.seq_buckets if s >= len(blocks))
+        return seqs, next(t for t in self.token_buckets if t >= max(num_tokens, seqs))
+
+    def run(self, blocks: list[BlockSpec], capture_key: tuple) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """hidden [N, H] and features for the blocks' N rows (copies: the next replay reuses the outputs).
+        `capture_key` names whatever else the captured forward depends on (the captured feature layers)."""
+        seqs, tokens = self.bucket(blocks)
+        self._upload(blocks, seqs, tokens)
+        key = (seqs, tokens, capture_key)
+        if key not in self.graphs:
+            self.graphs[key] = self._capture(seqs, tokens)
+        captured = self.graphs[key]
+        captured.graph.replay()
+        rows = sum(len(b.tokens) for b in blocks)
+        features = None if captured.features is None else captured.features[:rows].clone()
+        return captured.hidden[:rows].clone(), features
+
+    def _upload(self, blocks: list[BlockSpec], seqs: int, tokens: int) -> None:
+        layout, host = self.layout, self.host
+        self.uploaded.synchronize()  # NOTE: the previous upload has left the pinned buffer
+        ids, parents, cu = [], [], [0]
+        for block in blocks:
+            ids += block.tokens
+            parents += [p + cu[-1] if p >= 0 else -1 for p in block.parent_rows]
+            cu.append(cu[-1] + len(block.tokens))
+        padding = tokens - cu[-1]
+        fill(host, layout.ids, ids + [0] * padding)
+        fill(host, layout.parents, parents + [-1] * padding)
+        fill(host, layout.prefix_lens, [b.prefix_len for b in blocks] + [0] * (seqs - len(blocks)))
+        fill(host, layout.cu_tree, cu + [cu[-1]] * (seqs - len(blocks)))
+        for row, block in enumerate(blocks):
+            start = layout.tables.start + row * layout.max_pages
+            fill(host, slice(start, start + len(block.pages)), block.pages)
+        used = layout.tables.start + seqs * layout.max_pages
+        self.inputs[:used].copy_(host[:used], non_blocking=True)
+        self.uploaded.record()
+
+    def _batch(self, seqs: int, tokens: int) -> VerifyBatch:
+        """The static batch of one bucket: views of the upload buffer and of the device-built rows."""
+        layout, inputs = self.layout, self.inputs
+        tables = inputs[layout.tables].view(layout.max_seqs, layout.max_pages)[:seqs]
+        return VerifyBatch(
+            input_ids=inputs[layout.ids][:tokens],
+            positions=self.positions[:tokens],
+            block_tables=tables,
+            prefix_lens=inputs[layout.prefix_lens][:seqs],
+            cu_tree=inputs[layout.cu_tree][: seqs + 1],
+            tree_mask=self.tree_mask[:tokens],
+            max_prefix_len=self.max_context,
+            max_tree_len=min(tokens, self.max_block_tokens),
+        )
+
+    @torch.inference_mode()
+    def _capture(self, seqs: int, tokens: int) -> _Captured:
+        batch = self._batch(seqs, tokens)
+        parents = self.inputs[self.layout.parents][:tokens]
+
+        def step() -> tuple[torch.Tensor, torch.Tensor | None]:
+            tree_positions_and_mask(parents, batch.cu_tree, batch.prefix_lens, batch.positions, batch.tree_mask)
+            return self.forward(batch)
+
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):  # NOTE: compile and autotune the kernels before capturing them
+            step()
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        # NOTE: thread-local: the service's event loop may copy step features off the GPU meanwhile.
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+            hidden, features = step()
+        return _Captured(graph, hidden, features)
+
+
+def fill(host: torch.Tensor, where: slice, values: list[int]) -> None:
+    if values:
+        host[where.start: where.start + len(values)] = torch.tensor(values, dtype=torch.int32)
