@@ -22,6 +22,17 @@ import torch
 from modeling.tree import DraftTree
 
 
+def rank_top_k(values: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Order top-k rows by (value desc, token id asc): topk's order among equal values is unspecified.
+
+    values, ids: [..., K] -> the same entries, reordered along the last dim; on their own device.
+    """
+    ids, by_id = torch.sort(ids, dim=-1)
+    values = torch.gather(values, -1, by_id)
+    values, by_value = torch.sort(values, dim=-1, descending=True, stable=True)
+    return values, torch.gather(ids, -1, by_value)
+
+
 def top_k_per_depth(logp: torch.Tensor, budget: int, top_k: int | None = None) -> tuple[list, list]:
     """Top K = min(budget, V, top_k) tokens per depth, sorted by (log-prob desc, token id asc).
 
@@ -29,13 +40,19 @@ def top_k_per_depth(logp: torch.Tensor, budget: int, top_k: int | None = None) -
     logp: [..., D, V] -> (values, token ids) as nested lists of shape [..., D, K].
     """
     k = min(budget, logp.shape[-1], top_k if top_k is not None else budget)
-    values, ids = torch.topk(logp, k, dim=-1, sorted=True)  # [..., D, K]
-    # NOTE: topk's order among equal values is unspecified; make it lowest token id first.
-    ids, by_id = torch.sort(ids, dim=-1)
-    values = torch.gather(values, -1, by_id)
-    values, by_value = torch.sort(values, dim=-1, descending=True, stable=True)
-    ids = torch.gather(ids, -1, by_value)
+    values, ids = rank_top_k(*torch.topk(logp, k, dim=-1, sorted=True))  # [..., D, K]
     return values.double().cpu().tolist(), ids.cpu().tolist()
+
+
+def top_k_log_probs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k most probable tokens per row with their log-probs, ranked as top_k_per_depth ranks them.
+
+    Only the k kept logits become log-probs (minus the row's logsumexp): no [..., V] log_softmax is written.
+    logits: [..., V] -> (fp32 log-probs, token ids), each [..., min(k, V)], on logits' device.
+    """
+    logits = logits.float()
+    values, ids = torch.topk(logits, min(k, logits.shape[-1]), dim=-1, sorted=True)
+    return rank_top_k(values - torch.logsumexp(logits, dim=-1, keepdim=True), ids)
 
 
 def best_first_tree(values: list[list[float]], ids: list[list[int]], budget: int) -> DraftTree:
@@ -82,12 +99,10 @@ def build_ddtree(logp: torch.Tensor, budget: int, top_k: int | None = None) -> D
     return best_first_tree(values, ids, budget)
 
 
-def build_ddtrees(logp: torch.Tensor, budget: int, top_k: int | None = None) -> list[DraftTree]:
-    """Trees for several sessions with one top-k call and one transfer.
+def trees_from_top_k(values: torch.Tensor, ids: torch.Tensor, budgets: list[int]) -> list[DraftTree]:
+    """One tree per session from ranked top-k rows (top_k_log_probs) already on the host.
 
-    logp: [S, B-1, V]; returns S trees, equal to build_ddtree on each session's rows.
+    values, ids: [S, D, K] CPU tensors. A session of budget b uses the first b ranks of its rows: the tree
+    of a top-b, since a rank-r node needs its r better siblings in the tree first.
     """
-    if budget <= 0 or logp.shape[1] == 0:
-        return [DraftTree.empty() for _ in range(logp.shape[0])]
-    values, ids = top_k_per_depth(logp, budget, top_k)
-    return [best_first_tree(v, i, budget) for v, i in zip(values, ids)]
+    return [best_first_tree(v[:, :b].tolist(), i[:, :b].tolist(), b) for v, i, b in zip(values, ids, budgets)]

@@ -4,17 +4,22 @@ from __future__ import annotations
 
 import torch
 
-from drafter_service.ddtree import build_ddtree, build_ddtrees
+from drafter_service.ddtree import trees_from_top_k
 from drafter_service.dflash_drafter import DFlashDrafter, SessionNotFound
+from drafter_service.draft_graphs import DraftGraphs
 from drafter_service.drafter import DrafterInfo, StepRequest, UnknownSession
 from modeling.dflash import DFlashModel
 from modeling.tree import DraftTree
 
 
 class DFlashTreeDrafter:
-    def __init__(self, model: DFlashModel, context_window: int | None, max_budget: int = 255):
+    def __init__(self, model: DFlashModel, context_window: int | None, max_budget: int = 255, max_sessions: int = 64,
+                 cuda_graphs: bool = True):
+        """max_sessions: mirrors open at once (opening one more raises TooManySessions, a ValueError);
+        cuda_graphs: replay the draft from CUDA graphs where it can (a CUDA model and a context window)."""
         config = model.config
-        self.mirrors = DFlashDrafter(model, context_window)
+        self.mirrors = DFlashDrafter(model, context_window, max_sessions)
+        self.graphs = DraftGraphs(self.mirrors, max_budget, cuda_graphs)
         self.weight = model.fc.weight
         self.info = DrafterInfo("dflash", config.block_size, context_window, tuple(config.target_layer_ids),
                                 config.feature_dim, max_budget)
@@ -35,7 +40,13 @@ class DFlashTreeDrafter:
         features = self._features(features, rows, "open.features")
         self.mirrors.open(session_id, features, start_position + len(tokens) - rows)
 
+    def warmup(self) -> None:
+        """Capture the draft graph of every batch size now, rather than in the first batch of each size."""
+        self.graphs.warmup()
+
     def draft(self, requests: list[StepRequest]) -> list[DraftTree]:
+        if not requests:
+            return []
         checked = []
         for r in requests:
             if r.session_id not in self.mirrors:
@@ -48,14 +59,12 @@ class DFlashTreeDrafter:
             if r.position < self.mirrors.context_length(r.session_id):
                 self.mirrors.crop(r.session_id, r.position)  # the verifier rolled back (a stop)
         try:
-            logp = self.mirrors.draft_batch([(r.session_id, f, r.bonus, r.step) for r, f in zip(requests, checked)])
+            inputs = self.mirrors.commit([(r.session_id, f, r.bonus, r.step) for r, f in zip(requests, checked)])
         except SessionNotFound as error:
             raise UnknownSession(str(error)) from error
-        # logp: [S, B-1, V]
         budgets = [min(r.budget, self.info.max_budget) for r in requests]
-        if len(set(budgets)) == 1:
-            return build_ddtrees(logp, budgets[0])  # one top-k for the whole batch
-        return [build_ddtree(row, budget) for budget, row in zip(budgets, logp)]
+        values, ids = self.graphs.run(inputs, max(budgets))  # [S, B-1, max budget] on the host
+        return trees_from_top_k(values, ids, budgets)
 
     def close(self, session_id: str) -> None:
         self.mirrors.close(session_id)

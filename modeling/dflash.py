@@ -124,16 +124,21 @@ class DFlashConfig:
 
 @dataclass(frozen=True)
 class LayerContext:
-    """One layer's context K/V for a batch of S sessions, padded to the longest (any order of positions)."""
+    """One layer's context K/V of every session slot, in fixed-size rows (positions in any order, as a ring
+    keeps them). Each slot ends with B spare rows, so a draft's gathered copy has room for the block's K/V."""
 
-    keys: torch.Tensor  # [S, L, Hkv, D] (RoPE applied)
-    values: torch.Tensor  # [S, L, Hkv, D]
-    positions: torch.Tensor  # [S, L] int64; -1 marks padding
+    keys: torch.Tensor  # [N, C + B, Hkv, D] (RoPE applied); rows C.. are spare
+    values: torch.Tensor  # [N, C + B, Hkv, D]
+    positions: torch.Tensor  # [N, C] int64; -1 marks an empty row
+
+    @property
+    def capacity(self) -> int:
+        return self.positions.shape[1]
 
 
 def visible_keys(query_pos: torch.Tensor, key_pos: torch.Tensor, context_start: torch.Tensor,
                  window: int | None, causal: bool) -> torch.Tensor:
-    """query_pos: [S, B]; key_pos: [S, K] (-1 = padding); context_start: [S] (keys before it are outside W)
+    """query_pos: [S, B]; key_pos: [S, K] (-1 = empty); context_start: [S] (keys before it are outside W)
     -> [S, B, K] bool."""
     distance = query_pos[:, :, None] - key_pos[:, None, :]  # [S, B, K]
     visible = (key_pos >= context_start[:, None])[:, None, :].expand_as(distance)
@@ -145,26 +150,34 @@ def visible_keys(query_pos: torch.Tensor, key_pos: torch.Tensor, context_start: 
 
 
 class _BlockAttention:
-    """The LayerAttention of one batched draft: each session's block queries attend to its context K/V
-    and to its own block; the block's K/V are used once and dropped."""
+    """The LayerAttention of one batched draft: each session's block queries attend to its slot's context K/V
+    and to its own block; the block's K/V are used once and dropped. Every shape comes from the batch size
+    and the layer's capacity alone, so the draft can be captured in a CUDA graph."""
 
-    def __init__(self, config: DFlashConfig, contexts: Sequence[LayerContext], block_pos: torch.Tensor,
-                 context_start: torch.Tensor):
-        self.config, self.contexts, self.block_pos, self.context_start = config, contexts, block_pos, context_start
+    def __init__(self, config: DFlashConfig, contexts: Sequence[LayerContext], slots: torch.Tensor,
+                 block_pos: torch.Tensor, context_start: torch.Tensor):
+        self.config, self.contexts, self.slots = config, contexts, slots
+        self.block_pos, self.context_start = block_pos, context_start
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q: [S * B, Hq, D]; k, v: [S * B, Hkv, D] -> [S * B, Hq, D]
         sessions, block = self.block_pos.shape
+        heads, kv_heads, dim = q.shape[1], k.shape[1], q.shape[2]
+        group = heads // kv_heads
         context = self.contexts[layer]
-        keys = torch.cat([context.keys, k.view(sessions, block, *k.shape[1:])], dim=1)  # [S, L + B, Hkv, D]
-        values = torch.cat([context.values, v.view(sessions, block, *v.shape[1:])], dim=1)
-        key_pos = torch.cat([context.positions, self.block_pos], dim=1)  # [S, L + B]
+        keys, values = context.keys[self.slots], context.values[self.slots]  # [S, C + B, Hkv, D] copies
+        keys[:, context.capacity:] = k.view(sessions, block, kv_heads, dim)
+        values[:, context.capacity:] = v.view(sessions, block, kv_heads, dim)
+        key_pos = torch.cat([context.positions[self.slots], self.block_pos], dim=1)  # [S, C + B]
         visible = visible_keys(self.block_pos, key_pos, self.context_start, self.config.layer_window(layer),
-                               self.config.layer_causal(layer))
+                               self.config.layer_causal(layer))  # [S, B, C + B]
+        # NOTE: the query heads sharing a KV head are stacked along the query axis (row g * B + b), so every
+        # SDPA backend reads each K/V head once and none needs GQA support.
+        queries = q.view(sessions, block, kv_heads, group, dim).permute(0, 2, 3, 1, 4)  # [S, Hkv, G, B, D]
         out = F.scaled_dot_product_attention(
-            q.view(sessions, block, *q.shape[1:]).transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
-            attn_mask=visible[:, None], enable_gqa=True)  # [S, Hq, B, D]
-        return out.transpose(1, 2).reshape(q.shape)
+            queries.reshape(sessions, kv_heads, group * block, dim), keys.transpose(1, 2), values.transpose(1, 2),
+            attn_mask=visible.repeat(1, group, 1)[:, None])  # [S, Hkv, G * B, D]
+        return out.view(sessions, kv_heads, group, block, dim).permute(0, 3, 1, 2, 4).reshape(q.shape)
 
 
 class DFlashModel(nn.Module):
@@ -195,10 +208,10 @@ class DFlashModel(nn.Module):
         cos, sin = self.rotary(positions, features.dtype)
         return [layer.self_attn.key_value(features, cos, sin) for layer in self.layers]
 
-    def draft(self, root_tokens: torch.Tensor, start_positions: torch.Tensor, contexts: Sequence[LayerContext],
-              context_window: int | None = None) -> torch.Tensor:
-        """root_tokens, start_positions: [S] (start = n, the committed length) -> log-probs [S, B-1, V] (fp32),
-        row d-1 for depth d."""
+    def draft_logits(self, root_tokens: torch.Tensor, start_positions: torch.Tensor, slots: torch.Tensor,
+                     contexts: Sequence[LayerContext], context_window: int | None = None) -> torch.Tensor:
+        """root_tokens, start_positions, slots: [S] (start = n, the committed length; a slot picks the session's
+        rows of `contexts`) -> logits [S, B-1, V] in the model dtype, row d-1 for depth d."""
         block = self.config.block_size
         offsets = torch.arange(block, device=root_tokens.device)
         block_pos = start_positions[:, None] + offsets  # [S, B]
@@ -206,13 +219,12 @@ class DFlashModel(nn.Module):
         context_start = torch.zeros_like(start_positions)  # [S]: context positions before it lie outside W
         if context_window is not None:
             context_start = (start_positions - context_window).clamp(min=0)
-        attend = _BlockAttention(self.config, contexts, block_pos, context_start)
+        attend = _BlockAttention(self.config, contexts, slots, block_pos, context_start)
         x = self.embed_tokens(tokens.flatten())  # [S * B, H]
         cos, sin = self.rotary(block_pos.flatten(), x.dtype)
         for index, layer in enumerate(self.layers):
             x = layer(index, x, cos, sin, attend)
-        hidden = self.norm(x.view(*tokens.shape, -1)[:, 1:])  # [S, B-1, H]
-        return torch.log_softmax(self.lm_head(hidden).float(), dim=-1)
+        return self.lm_head(self.norm(x.view(*tokens.shape, -1)[:, 1:]))  # [S, B-1, V]
 
 
 def load_dflash(drafter_dir: str | Path, target_dir: str | Path, dtype: str | torch.dtype | None = None,

@@ -1,4 +1,4 @@
-"""DDTree builder: size, validity, optimality against brute force, ties, chain reduction, batching."""
+"""DDTree builder: size, validity, optimality against brute force, ties, chain reduction, top-k from logits."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import itertools
 import pytest
 import torch
 
-from drafter_service.ddtree import build_ddtree, build_ddtrees
+from drafter_service.ddtree import build_ddtree, top_k_log_probs, top_k_per_depth, trees_from_top_k
 from modeling.tree import DraftTree
 
 
@@ -97,10 +97,29 @@ def test_empty_inputs() -> None:
     assert len(build_ddtree(torch.zeros(0, 4), 5)) == 0
 
 
-def test_batched_equals_per_session() -> None:
+def test_top_k_from_logits_equals_top_k_of_log_softmax() -> None:
+    logits = 4 * torch.randn(3, 7, 50, generator=torch.Generator().manual_seed(0))  # [S, D, V]
+    values, ids = top_k_log_probs(logits, 12)
+    expected_values, expected_ids = top_k_per_depth(torch.log_softmax(logits, -1), 12)
+    assert ids.tolist() == expected_ids
+    torch.testing.assert_close(values, torch.tensor(expected_values, dtype=torch.float32), atol=1e-5, rtol=0)
+    assert top_k_log_probs(logits, 80)[0].shape == (3, 7, 50)  # K = min(k, V)
+
+
+def test_top_k_from_logits_ranks_ties_by_token_id() -> None:
+    logits = torch.tensor([[0.0, 2.0, 1.0, 2.0, 1.0, 2.0]]).bfloat16()  # [D, V]
+    values, ids = top_k_log_probs(logits, 5)
+    assert ids.tolist() == [[1, 3, 5, 2, 4]]
+    assert values.dtype == torch.float32
+    torch.testing.assert_close(values, torch.log_softmax(logits.float(), -1)[:, [1, 3, 5, 2, 4]])
+
+
+def test_trees_from_top_k_equal_build_ddtree_per_budget() -> None:
     logp = torch.log_softmax(torch.randn(4, 7, 30, generator=torch.Generator().manual_seed(0)), -1)  # [S, D, V]
-    trees = build_ddtrees(logp, 40)
-    assert trees == [build_ddtree(logp[s], 40) for s in range(4)]
+    values, ids = (torch.tensor(rows) for rows in top_k_per_depth(logp, 40))  # [S, D, 30]
+    budgets = [40, 1, 17, 0]
+    trees = trees_from_top_k(values, ids, budgets)
+    assert trees == [build_ddtree(logp[s], b) for s, b in enumerate(budgets)]
 
 
 def test_float32_and_bfloat16_inputs() -> None:

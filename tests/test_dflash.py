@@ -1,7 +1,10 @@
-"""The DFlash drafter: checkpoint loading, and the cached session mirror against a plain recomputation."""
+"""The DFlash drafter: checkpoint loading, the slot-cached session mirror and the tree drafter against a plain
+recomputation, and (on a GPU) CUDA-graph replays of the draft against the eager draft."""
 
 from __future__ import annotations
 
+import copy
+import itertools
 import json
 import shutil
 from pathlib import Path
@@ -11,9 +14,14 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import modeling.dflash as dflash
-from drafter_service.dflash_drafter import DFlashDrafter, SessionNotFound, StaleStep
+from drafter_service.ddtree import build_ddtree
+from drafter_service.dflash_drafter import DFlashDrafter, SessionNotFound, StaleStep, TooManySessions
+from drafter_service.dflash_tree_drafter import DFlashTreeDrafter
+from drafter_service.draft_graphs import DraftGraphs, buckets
+from drafter_service.drafter import StepRequest
 from modeling.dflash import DFlashConfig, DFlashModel, default_target_layer_ids, load_dflash
 from modeling.tiny import make_tiny_drafter
+from modeling.tree import DraftTree
 
 # name -> (config.json overrides, serving window W); the tiny drafter has 2 layers and block size 8.
 VARIANTS = {
@@ -43,8 +51,8 @@ def sharpened(model: DFlashModel, seed: int = 0) -> DFlashModel:
     return model
 
 
-def load(tmp_path: Path, target: Path, overrides: dict) -> DFlashModel:
-    return sharpened(load_dflash(drafter_dir(tmp_path, target, **overrides), target, dtype="float32"))
+def load(tmp_path: Path, target: Path, overrides: dict, dtype: str = "float32", device: str = "cpu") -> DFlashModel:
+    return sharpened(load_dflash(drafter_dir(tmp_path, target, **overrides), target, dtype=dtype, device=device))
 
 
 def plain_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
@@ -210,3 +218,150 @@ def test_stale_steps_and_unknown_sessions_change_nothing(tmp_path, tiny_target) 
         drafter.step("s", features[:0], 9)
     with pytest.raises(ValueError, match="block size"):
         DFlashDrafter(model, context_window=4)
+
+
+def assert_same_tree(got: DraftTree, expected: DraftTree) -> None:
+    assert (got.tokens, got.parents, got.depths) == (expected.tokens, expected.parents, expected.depths)
+    assert got.logprobs == pytest.approx(expected.logprobs, abs=1e-4)
+
+
+@pytest.mark.parametrize("variant", ["full", "full-W", "sliding-W"])
+def test_slot_trees_match_the_reference_as_sessions_come_and_go(variant: str, tmp_path, tiny_target) -> None:
+    """Mixed lengths, rollbacks, a closed slot taken by a new session, a replaced mirror; without W the
+    buffers grow (and move) as sessions do."""
+    overrides, window = VARIANTS[variant]
+    model = load(tmp_path, tiny_target, overrides)
+    drafter = DFlashTreeDrafter(model, window, max_budget=24, max_sessions=3)
+    generator = torch.Generator().manual_seed(4)
+    feature_dim, history, step = model.config.feature_dim, {}, itertools.count()
+
+    def open_session(name: str, length: int) -> None:
+        history[name] = torch.randn(length, feature_dim, generator=generator)
+        drafter.open(name, [0] * length, history[name], 0)  # the mirror keeps what its layers can see
+
+    def draft(plan: dict[str, tuple[int, int, int]]) -> None:
+        """session -> (tokens committed, rolled back before them, budget)"""
+        requests = []
+        for name, (count, rollback, budget) in plan.items():
+            kept = history[name][: history[name].shape[0] - rollback]
+            new = torch.randn(count, feature_dim, generator=generator)
+            history[name] = torch.cat([kept, new])
+            root = int(torch.randint(0, 256, (1,), generator=generator))
+            requests.append(StepRequest(name, next(step), [0] * count, new, root, kept.shape[0], budget))
+        for request, tree in zip(requests, drafter.draft(requests)):
+            logp = recompute(model, history[request.session_id], request.bonus, window)
+            assert_same_tree(tree, build_ddtree(logp, min(request.budget, 24)))
+
+    for name, length in [("a", 3), ("b", 20), ("c", 11)]:
+        open_session(name, length)
+    draft({"a": (1, 0, 24), "b": (4, 0, 5), "c": (0, 0, 100)})
+    draft({"c": (2, 5, 24), "a": (8, 0, 9)})
+    drafter.close("b")
+    open_session("d", 30)  # into b's slot
+    draft({"d": (2, 0, 24), "a": (3, 2, 24), "c": (9, 0, 1)})
+    open_session("a", 6)  # replaces a's mirror in place
+    draft({"a": (1, 0, 16), "d": (0, 7, 24), "c": (0, 0, 0)})
+    assert drafter.mirrors.context_length("d") == 25
+
+
+def test_open_past_max_sessions_raises_and_a_closed_slot_is_reused(tmp_path, tiny_target) -> None:
+    window = 12
+    model = load(tmp_path, tiny_target, {})
+    drafter = DFlashDrafter(model, context_window=window, max_sessions=2)
+    features = torch.randn(30, model.config.feature_dim, generator=torch.Generator().manual_seed(6))
+    drafter.open("a", features[:20], start_position=0)
+    drafter.open("b", features[:5], start_position=0)
+    drafter.open("a", features[:25], start_position=0)  # replacing a mirror takes no new slot
+    with pytest.raises(TooManySessions, match="2 sessions .*max_sessions"):
+        drafter.open("c", features[:4], start_position=0)
+    assert issubclass(TooManySessions, ValueError)
+    drafter.close("a")
+    drafter.open("c", features[:4], start_position=0)  # a's slot, which held a full ring: none of it may show
+    assert drafter.commit([("c", features[:0], 0)]).slots == [0]
+    expected = recompute(model, features[:6], 17, window)
+    torch.testing.assert_close(drafter.step("c", features[4:6], 17), expected, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="max_sessions"):
+        DFlashDrafter(model, context_window=window, max_sessions=0)
+
+
+def test_batch_size_buckets() -> None:
+    assert buckets(1) == [1]
+    assert buckets(64) == [1, 2, 4, 8, 16, 32, 64]
+    assert buckets(48) == [1, 2, 4, 8, 16, 32, 48]
+
+
+def assert_same_top_k(got: tuple[torch.Tensor, torch.Tensor], expected: tuple[torch.Tensor, torch.Tensor],
+                      everything: tuple[torch.Tensor, torch.Tensor], dtype: str) -> None:
+    """got, expected: ranked top-k (values, ids) [S, D, K]; everything: the eager ranking of the whole vocab."""
+    (values, ids), (expected_values, expected_ids) = got, expected
+    if dtype == "float32":
+        assert torch.equal(ids, expected_ids)
+        torch.testing.assert_close(values, expected_values, atol=1e-4, rtol=1e-4)
+        return
+    # bf16: near-equal log-probs may swap ranks; every token must still carry its own eager log-prob
+    atol = 0.1
+    torch.testing.assert_close(values, expected_values, atol=atol, rtol=0)
+    logp = torch.empty_like(everything[0]).scatter_(-1, everything[1], everything[0])  # [S, D, V]
+    torch.testing.assert_close(logp.gather(-1, ids), values, atol=atol, rtol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_graph_replays_match_the_eager_draft(dtype: str, tmp_path, tiny_target) -> None:
+    """Every bucket (1, 2, 4, 8; padded batches of 3 and 5), before and after sessions change underneath."""
+    overrides, window = VARIANTS["sliding-W"]
+    model = load(tmp_path, tiny_target, overrides, dtype, "cuda")
+    vocab = model.lm_head.weight.shape[0]
+    mirrors = DFlashDrafter(model, window, max_sessions=8)
+    graphed, eager = DraftGraphs(mirrors, 16), DraftGraphs(mirrors, 16, cuda_graphs=False)
+    ranking = DraftGraphs(mirrors, vocab, cuda_graphs=False)
+    assert graphed.graphed and not eager.graphed
+    generator = torch.Generator().manual_seed(5)
+
+    def features(rows: int) -> torch.Tensor:
+        return torch.randn(rows, model.config.feature_dim, generator=generator).to("cuda", getattr(torch, dtype))
+
+    def check(names: list[str]) -> None:
+        inputs = mirrors.commit([(name, features(i % 4), 11 * i + 1) for i, name in enumerate(names)])
+        assert_same_top_k(graphed.run(inputs, 16), eager.run(inputs, 16), ranking.run(inputs, vocab), dtype)
+        assert_same_top_k(graphed.run(inputs, 5), eager.run(inputs, 5), ranking.run(inputs, vocab), dtype)
+
+    names = [f"s{i}" for i in range(8)]
+    for i, name in enumerate(names):
+        mirrors.open(name, features(3 + 5 * i), start_position=i)
+    for size in (1, 3, 2, 8, 5):
+        check(names[size - 1::-1])
+    assert sorted(graphed.captured) == [1, 2, 4, 8]
+    mirrors.crop("s2", mirrors.context_length("s2") - 3)
+    mirrors.close("s5")
+    mirrors.open("new", features(40), start_position=0)  # s5's slot
+    mirrors.open("s0", features(2), start_position=0)
+    check(["new", "s0", "s2", "s7"])
+    check(["s1", "new", "s3", "s4", "s0", "s6", "s7", "s2"])
+    assert sorted(graphed.captured) == [1, 2, 4, 8]  # replays only
+
+
+@pytest.mark.gpu
+def test_the_tree_drafter_on_the_gpu_drafts_the_same_trees_from_graphs(tmp_path, tiny_target) -> None:
+    overrides, window = VARIANTS["full-W"]
+    model = load(tmp_path, tiny_target, overrides, "float32", "cuda")
+    graphed = DFlashTreeDrafter(model, window, max_budget=20, max_sessions=4)
+    eager = DFlashTreeDrafter(model, window, max_budget=20, max_sessions=4, cuda_graphs=False)
+    on_cpu = DFlashTreeDrafter(copy.deepcopy(model).cpu(), window, max_budget=20, max_sessions=4)
+    graphed.warmup()
+    assert sorted(graphed.graphs.captured) == [1, 2, 4] and not eager.graphs.captured
+    assert not DFlashTreeDrafter(model, None).graphs.graphed  # no window: no fixed shapes to capture
+    generator = torch.Generator().manual_seed(7)
+    features = torch.randn(60, model.config.feature_dim, generator=generator).cuda()
+    for drafter in (graphed, eager, on_cpu):
+        for i, name in enumerate("abc"):
+            drafter.open(name, [0] * (10 + 9 * i), features[: 10 + 9 * i], 0)
+    for step, (names, count, budget) in enumerate([("abc", 1, 20), ("ca", 3, 7), ("b", 0, 20), ("abc", 2, 13)]):
+        requests = []
+        for name in names:
+            length = graphed.mirrors.context_length(name)
+            requests.append(StepRequest(name, step, [0] * count, features[length: length + count], 5 + step,
+                                        length, budget))
+        for got, expected, reference in zip(graphed.draft(requests), eager.draft(requests), on_cpu.draft(requests)):
+            assert_same_tree(got, expected)
+            assert_same_tree(got, reference)
