@@ -18,6 +18,9 @@ class DFlashTreeDrafter:
         """max_sessions: mirrors open at once (opening one more raises TooManySessions, a ValueError);
         cuda_graphs: replay the draft from CUDA graphs where it can (a CUDA model and a context window)."""
         config = model.config
+        if model.fc.weight.is_cuda:
+            for layer in model.layers:
+                layer.fuse_projections()
         self.mirrors = DFlashDrafter(model, context_window, max_sessions)
         self.graphs = DraftGraphs(self.mirrors, max_budget, cuda_graphs)
         self.weight = model.fc.weight

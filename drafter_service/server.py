@@ -46,7 +46,9 @@ def load_drafter(drafter: str, target: str | None, device: str = "cpu", dtype: s
 
     if not target:
         raise ValueError("a DFlash drafter needs the target checkpoint (it shares its embed_tokens and lm_head)")
-    return DFlashTreeDrafter(load_dflash(drafter, target, dtype, device), context_window, max_budget=max_budget)
+    tree_drafter = DFlashTreeDrafter(load_dflash(drafter, target, dtype, device), context_window, max_budget=max_budget)
+    tree_drafter.warmup()  # NOTE: captures the CUDA graphs of every batch size now, not during the first steps
+    return tree_drafter
 
 
 async def serve(args: argparse.Namespace) -> None:

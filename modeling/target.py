@@ -53,6 +53,10 @@ class CausalLM(nn.Module):
             features = torch.cat([by_layer[i] for i in capture_layers], dim=-1)
         return self.model.norm(x), features
 
+    def fuse_projections(self) -> None:
+        for layer in self.model.layers:
+            layer.fuse_projections()
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
 

@@ -69,5 +69,5 @@ def causal_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
     scores = torch.einsum("thd,shd->hts", q, k) / q.shape[-1] ** 0.5
-    causal = torch.ones(q.shape[0], q.shape[0], dtype=torch.bool).tril()
+    causal = torch.ones(q.shape[0], q.shape[0], dtype=torch.bool, device=q.device).tril()
     return torch.einsum("hts,shd->thd", scores.masked_fill(~causal, float("-inf")).softmax(-1), v)

@@ -28,20 +28,26 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_logits_and_hidden_states_match_transformers(case: str, tmp_path) -> None:
+@pytest.mark.parametrize("placement", ["cpu", "cpu-fused", pytest.param("cuda-fused", marks=pytest.mark.gpu)])
+def test_logits_and_hidden_states_match_transformers(case: str, placement: str, tmp_path) -> None:
+    """Also with Q/K/V and gate/up fused into one GEMM each, and on CUDA (fused Triton row-wise ops)."""
     config_cls, model_cls, extra = CASES[case]
     torch.manual_seed(0)
     reference = model_cls(config_cls(**SHAPE, **extra)).eval()
     reference.save_pretrained(tmp_path, max_shard_size="100KB")  # sharded, with an index file
     assert (tmp_path / "model.safetensors.index.json").is_file()
-    ours = load_causal_lm(tmp_path, dtype="float32")
+    device = placement.split("-")[0]
+    ours = load_causal_lm(tmp_path, dtype="float32", device=device)
+    if placement.endswith("fused"):
+        ours.fuse_projections()
     ids = torch.randint(0, SHAPE["vocab_size"], (37,))
     with torch.no_grad():
         expected = reference(ids[None], output_hidden_states=True)
-        hidden, features = ours(ids, torch.arange(37), causal_attention, capture_layers=(1, 0))
-    torch.testing.assert_close(ours.logits(hidden), expected.logits[0], atol=2e-5, rtol=1e-4)
-    torch.testing.assert_close(features, torch.cat([expected.hidden_states[2][0], expected.hidden_states[1][0]], -1),
-                               atol=2e-5, rtol=1e-4)
+        positions = torch.arange(37, device=device)
+        hidden, features = ours(ids.to(device), positions, causal_attention, capture_layers=(1, 0))
+    torch.testing.assert_close(ours.logits(hidden).cpu(), expected.logits[0], atol=2e-5, rtol=1e-4)
+    expected_features = torch.cat([expected.hidden_states[2][0], expected.hidden_states[1][0]], -1)
+    torch.testing.assert_close(features.cpu(), expected_features, atol=2e-5, rtol=1e-4)
 
 
 def test_both_rope_spellings_give_the_same_config() -> None:

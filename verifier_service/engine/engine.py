@@ -46,6 +46,8 @@ class StepResult:
 class Engine:
     def __init__(self, model: CausalLM, config: EngineConfig, tokenizer: Tokenizer | None = None):
         self.model, self.config, self.tokenizer = model, config, tokenizer
+        if torch.device(config.device).type == "cuda":
+            model.fuse_projections()
         self.model_config = model.config
         self.max_context = config.max_context or self.model_config.max_position_embeddings
         dtype, device = config.torch_dtype, torch.device(config.device)
@@ -70,6 +72,18 @@ class Engine:
         layout = Layout(max_seqs=min(config.graph_max_sessions, config.max_batch_tokens),
                         max_tokens=config.max_batch_tokens, max_pages=-(-self.max_context // config.page_size) + 1)
         return GraphedForward(self._forward, layout, config.max_block_tokens, self.max_context, self.device)
+
+    def warm_up(self, tokens_per_session: int) -> int:
+        """Capture now the graphs a server meets first (a prefill chunk; steps of 1, 2, 4, ... sessions with
+        `tokens_per_session` rows each) rather than during its first requests. Returns the graphs held."""
+        if self.graphs is None:
+            return 0
+        batches = [[self.config.prefill_chunk]] + [
+            [tokens_per_session] * sessions for sessions in self.graphs.seq_buckets
+            if sessions * tokens_per_session <= self.config.max_batch_tokens]
+        for sizes in batches:  # NOTE: blocks with no prefix touch only the tree scratch, never the pages
+            self.forward([BlockSpec.chain(0, [0] * size, []) for size in sizes])
+        return len(self.graphs.graphs)
 
     def _kv_cache(self, num_pages: int, dtype: torch.dtype, device: torch.device) -> KVCache:
         return KVCache(self.model.shard_config, num_pages, self.config.page_size, dtype, device)
