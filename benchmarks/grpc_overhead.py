@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
@@ -52,6 +53,7 @@ def main() -> None:
     parser.add_argument("--drafter", default="ngram")
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out-dir", type=Path, default=RESULTS)
     args = parser.parse_args()
     torch.set_num_threads(1)
     target, _ = ensure_tiny_model()
@@ -62,13 +64,14 @@ def main() -> None:
     assert all(r[2] == local[0][2] for r in remote + local), "outputs differ: exactness is broken"
     local_ms = statistics.median(s / n * 1e3 for s, n, _ in local)
     remote_ms = statistics.median(s / n * 1e3 for s, n, _ in remote)
-    result = {"command": "python " + " ".join(sys.argv), "machine": f"{platform.machine()}, 2 cores, CPU only",
+    machine = f"{platform.machine()}, {os.cpu_count()} cores, the model on the CPU"
+    result = {"command": "python " + " ".join(sys.argv), "machine": machine,
               "model": "tiny built-in", "drafter": args.drafter, "steps": local[0][1],
               "in_process_ms_per_step": local_ms, "services_ms_per_step": remote_ms,
               "overhead_ms_per_step": remote_ms - local_ms}
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "grpc_overhead.json").write_text(json.dumps(result, indent=2))
-    (RESULTS / "grpc_overhead.md").write_text(
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    (args.out_dir / "grpc_overhead.json").write_text(json.dumps(result, indent=2))
+    (args.out_dir / "grpc_overhead.md").write_text(
         f"# gRPC overhead per decode step ({result['machine']})\n\n`{result['command']}`\n\n"
         "| drafter | steps | in process (ms/step) | through the services (ms/step) | overhead (ms/step) |\n"
         "|---|---|---|---|---|\n"
