@@ -338,9 +338,9 @@ def main() -> None:
         (args.out_dir / "verify_attention_stages.json").write_text(json.dumps({**result, "stages": rows}, indent=1))
         return
     if args.sweep:
-        configs = [SplitConfig(bm, bn, w, st, pps) for bm, bn, w, st, pps in [
-            (64, 64, 4, 3, 2), (64, 64, 4, 4, 2), (64, 32, 4, 4, 2), (128, 64, 8, 2, 1),
-            (256, 64, 8, 2, 1), (256, 64, 8, 3, 1), (256, 32, 8, 3, 1), (256, 32, 8, 4, 1),
+        configs = [SplitConfig(bm, bn, w, st, pps, tma) for bm, bn, w, st, pps, tma in [
+            (64, 64, 4, 3, 2, False), (64, 64, 4, 3, 2, True), (64, 64, 4, 4, 2, True), (128, 64, 4, 2, 2, False),
+            (128, 64, 4, 2, 2, True), (128, 64, 8, 2, 2, True), (256, 64, 8, 2, 1, False), (256, 64, 8, 2, 1, True),
         ]]
         result["sweep"] = sweep(kv, gen, configs)
         result["stages"] = stages(kv, gen)

@@ -6,6 +6,7 @@ gives wrong bf16 dot products); with CUDA the `gpu` tests run bf16 at larger sha
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 
@@ -27,7 +28,7 @@ from kernels.reference import (  # noqa: E402
     pack_tree_mask,
     verify_attention_reference,
 )
-from kernels.split_kv import SplitConfig, SplitPlan, plan_splits, prefix_partials  # noqa: E402
+from kernels.split_kv import SplitConfig, SplitPlan, default_config, plan_splits, prefix_partials  # noqa: E402
 from kernels.verify_attention import hybrid_verify_attention  # noqa: E402
 
 GPU = torch.cuda.is_available()
@@ -125,7 +126,26 @@ def test_verify_attention_random_interpreter(seed):
     hkv, group = pick([1, 2]), pick([1, 4, 8])
     dtype = pick([torch.float16, torch.float32])
     case = verify_case(lens, trees, hkv * group, hkv, 16, pick([16, 64]), dtype, seed=seed)
-    check_verify(case, lens, trees, small_config(block_n=pick([16, 64])))
+    check_verify(case, lens, trees, small_config(block_n=pick([16, 64]), tma=pick([False, True])))
+
+
+def poison_stale_slots(case: dict, lens: list[int]) -> None:
+    """NaN in every page slot no sequence owns: stale pool memory that masked blocks must not let in."""
+    for pages in (case["k_pages"], case["v_pages"]):
+        live = torch.zeros(pages.shape[:2], dtype=torch.bool, device=pages.device)  # [num_pages, P]
+        for b, n in enumerate(lens):
+            pos = torch.arange(n, device=pages.device)
+            live[case["block_tables"][b].long()[pos // pages.shape[1]], pos % pages.shape[1]] = True
+        pages[~live] = float("nan")
+
+
+@cpu_only
+@pytest.mark.parametrize("tma", [False, True])
+def test_verify_attention_stale_nan_slots_interpreter(tma):
+    lens, trees = [37, 0, 100, 64], [5, 3, 9, 2]
+    case = verify_case(lens, trees, 8, 2, 32, 64, torch.float16, seed=9)
+    poison_stale_slots(case, lens)
+    check_verify(case, lens, trees, small_config(block_n=32, tma=tma), max_prefix_len=1000)
 
 
 def check_decode(lens: list[int], hq: int, hkv: int, d: int, page_size: int, dtype: torch.dtype,
@@ -265,6 +285,7 @@ GPU_VERIFY = [
     ([1000, 0, 4097, 333], [64, 7, 1, 200], (32, 8), 128, 64),
     ([5000, 63], [200, 64], (16, 16), 64, 16),
     ([2049, 17, 900], [7, 64, 1], (32, 4), 256, 16),
+    ([2049, 17, 900], [7, 64, 1], (32, 4), 256, 64),
     ([70000], [16], (32, 8), 128, 64),
     ([0, 129], [33, 5], (8, 1), 128, 64),
 ]
@@ -276,6 +297,19 @@ GPU_VERIFY = [
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_verify_attention_gpu(lens, trees, heads, d, page_size, dtype):
     check_verify(verify_case(lens, trees, *heads, d, page_size, dtype, seed=len(lens)), lens, trees)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("tma", [False, True])
+@pytest.mark.parametrize("trees", [[64, 7, 1, 200], [16, 3, 1, 9]])
+def test_verify_attention_paths_stale_nan_slots_gpu(tma, trees):
+    """Both K/V load paths (TMA boxes and pointer gathers) at both default tile families, NaN in stale slots."""
+    lens = [1000, 0, 4097, 333]
+    case = verify_case(lens, trees, 32, 8, 128, 64, torch.bfloat16, seed=4)
+    poison_stale_slots(case, lens)
+    cfg = dataclasses.replace(default_config(4 * max(trees), 128), tma=tma)
+    check_verify(case, lens, trees, cfg, max_prefix_len=8192)
 
 
 @pytest.mark.gpu
