@@ -40,7 +40,7 @@ class SplitConfig:
 
 
 def default_config(rows: int, head_dim: int) -> SplitConfig:
-    """Tuned on an H200 (benchmarks/results/verify_attention_run2.json, "sweep").
+    """Tuned on an H200 (benchmarks/results/verify_attention_run2.md).
 
     Up to 64 rows the prefix stage is bandwidth-bound: small tiles, two programs per SM keep enough
     loads in flight. Past that it is compute-bound: 128-row tiles of one warpgroup, two programs per SM,
