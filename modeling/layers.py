@@ -49,14 +49,17 @@ class RMSNorm(nn.Module):
         return total, self(total)
 
 
-class FusedLinear:
+class FusedLinear(nn.Module):
     """Several projections of one input as one GEMM (fewer launches, better bandwidth on skinny inputs).
-    The checkpoint's weights become views of the fused matrix, so names, loading and memory are unchanged."""
+    The checkpoint's weights become views of the fused matrix, so names, loading and memory are unchanged;
+    the fused tensors are non-persistent buffers, so `.to()` moves them and state dicts never see them."""
 
     def __init__(self, *linears: nn.Linear):
-        self.weight = torch.cat([linear.weight.detach() for linear in linears])
+        super().__init__()
+        self.register_buffer("weight", torch.cat([linear.weight.detach() for linear in linears]), persistent=False)
         has_bias = linears[0].bias is not None
-        self.bias = torch.cat([linear.bias.detach() for linear in linears]) if has_bias else None
+        bias = torch.cat([linear.bias.detach() for linear in linears]) if has_bias else None
+        self.register_buffer("bias", bias, persistent=False)
         self.sizes = [linear.out_features for linear in linears]
         start = 0
         for linear, size in zip(linears, self.sizes):
@@ -65,7 +68,7 @@ class FusedLinear:
                 linear.bias = nn.Parameter(self.bias[start:start + size], requires_grad=False)
             start += size
 
-    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return F.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
 
 
