@@ -4,7 +4,7 @@ Steps of all streams' sessions queue in one scheduler; whatever is queued while 
 next batch. A newer step for a session whose older step is still queued absorbs it (its committed tokens
 are kept, its reply is dropped as stale).
 
-Drafts run on the event loop itself: a hop to a worker thread and back cost ~1 ms of GIL hand-over
+Drafts run on the event loop itself: a hop to a worker thread and back cost ~0.5 ms of GIL hand-over
 next to gRPC's poller (measured), more than an n-gram draft or a graph-replayed DFlash forward. Nothing
 else needs the loop while a draft runs: messages arriving meanwhile wait in gRPC and form the next batch."""
 
