@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 import torch
 
 if not torch.cuda.is_available():
-    # NOTE: without CUDA the Triton kernels run in Triton's CPU interpreter, which reads this flag at
-    # Triton's first import: set it before any test module can import Triton.
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+    # NOTE: without CUDA the Triton kernels run in Triton's CPU interpreter, which reads this flag when its
+    # own library functions are decorated, i.e. at Triton's first import: set it before any test imports it.
+    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError("triton was imported before TRITON_INTERPRET=1 could be set: export it to run the tests")
+    os.environ["TRITON_INTERPRET"] = "1"
 
 from modeling.tiny import make_tiny_target
 

@@ -7,29 +7,20 @@ gives wrong bf16 dot products); with CUDA the `gpu` tests run bf16 at larger sha
 from __future__ import annotations
 
 import dataclasses
-import os
-import sys
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    # NOTE: Triton reads this flag when its own library functions are decorated, i.e. at its first
-    # import; `kernels/__init__` imports no Triton, so only an earlier direct import can spoil it.
-    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
-        raise RuntimeError("triton was imported before TRITON_INTERPRET=1 could be set: export it to run these")
-    os.environ["TRITON_INTERPRET"] = "1"
-
-from kernels.commit_kv import commit_kv  # noqa: E402
-from kernels.paged_decode import paged_decode_attention  # noqa: E402
-from kernels.reference import (  # noqa: E402
+from kernels.commit_kv import commit_kv
+from kernels.paged_decode import paged_decode_attention
+from kernels.reference import (
     commit_kv_reference,
     gather_prefix,
     pack_tree_mask,
     verify_attention_reference,
 )
-from kernels.split_kv import SplitConfig, SplitPlan, default_config, plan_splits, prefix_partials  # noqa: E402
-from kernels.verify_attention import hybrid_verify_attention  # noqa: E402
+from kernels.split_kv import SplitConfig, SplitPlan, default_config, plan_splits, prefix_partials
+from kernels.verify_attention import hybrid_verify_attention
 
 GPU = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if GPU else "cpu")
