@@ -17,14 +17,7 @@ import torch
 
 from drafter_service.ddtree import top_k_log_probs
 from drafter_service.dflash_drafter import DFlashDrafter, DraftInputs
-
-
-def buckets(limit: int) -> list[int]:
-    """Batch sizes with a graph: powers of two below `limit`, then `limit`."""
-    sizes = [1]
-    while sizes[-1] < limit:
-        sizes.append(min(2 * sizes[-1], limit))
-    return sizes
+from modeling.graph_capture import buckets, capture
 
 
 class _Captured(NamedTuple):
@@ -88,15 +81,7 @@ class DraftGraphs:
 
     def _capture(self, size: int) -> _Captured:
         slots, roots, starts = self.inputs[:, :size]
-        current = torch.cuda.current_stream(self.device)
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(current)
-        with torch.cuda.stream(side):  # NOTE: lazy initialisation (cuBLAS, kernel choice) must precede a capture
-            self._forward(slots, roots, starts)
-        current.wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            values, ids = self._forward(slots, roots, starts)
+        graph, (values, ids) = capture(lambda: self._forward(slots, roots, starts), self.device, self.pool)
         self.captured[size] = _Captured(graph, values, ids)
         return self.captured[size]
 

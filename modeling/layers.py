@@ -142,8 +142,11 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def fuse_projections(self) -> None:
-        """Q/K/V as one GEMM and gate/up as one (for CUDA serving; the CPU path stays op by op)."""
+        """Q/K/V as one GEMM and gate/up as one (for CUDA serving; the CPU path stays op by op).
+        Idempotent: a second call must not move the weights, since captured CUDA graphs read them in place."""
         attn, mlp = self.self_attn, self.mlp
+        if attn.qkv is not None:
+            return
         attn.qkv = FusedLinear(attn.q_proj, attn.k_proj, attn.v_proj)
         mlp.gate_up = FusedLinear(mlp.gate_proj, mlp.up_proj)
 

@@ -17,7 +17,7 @@ import modeling.dflash as dflash
 from drafter_service.ddtree import build_ddtree
 from drafter_service.dflash_drafter import DFlashDrafter, SessionNotFound, StaleStep, TooManySessions
 from drafter_service.dflash_tree_drafter import DFlashTreeDrafter
-from drafter_service.draft_graphs import DraftGraphs, buckets
+from drafter_service.draft_graphs import DraftGraphs
 from drafter_service.drafter import StepRequest
 from modeling.dflash import DFlashConfig, DFlashModel, default_target_layer_ids, load_dflash
 from modeling.tiny import make_tiny_drafter
@@ -282,12 +282,6 @@ def test_open_past_max_sessions_raises_and_a_closed_slot_is_reused(tmp_path, tin
     torch.testing.assert_close(drafter.step("c", features[4:6], 17), expected, atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="max_sessions"):
         DFlashDrafter(model, context_window=window, max_sessions=0)
-
-
-def test_batch_size_buckets() -> None:
-    assert buckets(1) == [1]
-    assert buckets(64) == [1, 2, 4, 8, 16, 32, 64]
-    assert buckets(48) == [1, 2, 4, 8, 16, 32, 48]
 
 
 def assert_same_top_k(got: tuple[torch.Tensor, torch.Tensor], expected: tuple[torch.Tensor, torch.Tensor],

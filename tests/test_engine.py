@@ -8,8 +8,10 @@ import pytest
 import torch
 
 from kernels.reference import gather_prefix
+from modeling.graph_capture import buckets
 from modeling.tree import DraftTree, TreeError
 from tests.engine_helpers import GREEDY, make_engine, plain_generate, random_tree, run_to_end
+from verifier_service.engine.cuda_graphs import Buckets
 from verifier_service.engine.errors import CapacityError, InvalidRequest
 from verifier_service.engine.sampling import SamplingParams
 from verifier_service.engine.stopping import StopReason
@@ -243,13 +245,34 @@ def test_step_returns_features_of_committed_tokens(new_engine) -> None:
     torch.testing.assert_close(result.features, whole, atol=new_engine.kv_atol, rtol=1e-3)
 
 
+def test_bucket_sizes() -> None:
+    assert buckets(1) == [1] and buckets(48) == [1, 2, 4, 8, 16, 32, 48]
+    assert buckets(2048, 16) == [16, 32, 64, 128, 256, 512, 1024, 2048] and buckets(8, 16) == [8]
+
+
+@pytest.mark.parametrize("max_seqs, max_tokens, per_session", [(64, 2048, 16), (48, 2048, 64), (8, 300, 33)])
+def test_warm_up_reaches_the_bucket_of_every_step_and_prefill_chunk(max_seqs, max_tokens, per_session) -> None:
+    """No batch a server can form (up to max_seqs sessions of 1..per_session rows, or one prefill chunk of up
+    to 256 rows) lands in a bucket that warm-up skipped, and warm-up captures none that such batches miss."""
+    table = Buckets.up_to(max_seqs, max_tokens)
+    reachable = table.reachable(per_session, 256)
+    assert all(table.fit(sizes) == key for key, sizes in reachable.items())
+    seen = set()  # NOTE: the bucket depends only on the session count and the total rows: try them all
+    for sessions in range(1, max_seqs + 1):
+        for total in range(sessions, min(sessions * per_session, max_tokens) + 1):
+            seen.add(table.fit([total // sessions + (i < total % sessions) for i in range(sessions)]))
+    seen |= {table.fit([rows]) for rows in range(1, 257)}
+    assert seen == set(reachable)
+    assert table.fit([per_session] * (max_seqs + 1)) is None and table.fit([max_tokens + 1]) is None
+
+
 @pytest.mark.gpu
 def test_graph_replays_equal_the_eager_forward(tiny_target) -> None:
     """One captured bucket serves batches of other prefix lengths, tree shapes and session counts."""
     engine = make_engine(tiny_target, device="cuda", attention="triton", max_batch_tokens=256)
     rng = random.Random(3)
     sessions = [engine.create_session(prompt_of(length, seed=length))[0] for length in (5, 40, 170, 333)]
-    buckets, captured_before = [], set(engine.graphs.graphs)  # the prefills captured some already
+    used, captured_before = [], set(engine.graphs.graphs)  # the prefills captured some already
     for _ in range(8):
         chosen = rng.sample(sessions, rng.randrange(1, len(sessions) + 1))
         blocks = []
@@ -257,12 +280,12 @@ def test_graph_replays_equal_the_eager_forward(tiny_target) -> None:
             tree = random_tree(rng, rng.randrange(0, 40), 256, [], rng.choice(["chain", "wide", "random"]))
             session.block_table.prepare_write(session.kv_len, session.kv_len + tree.max_depth() + 1, engine.kv)
             blocks.append(BlockSpec.from_tree(session.kv_len, session.root, tree, session.block_table.pages))
-        buckets.append(engine.graphs.bucket(blocks))
+        used.append(engine.graphs.bucket(blocks))
         graphed, _ = engine.forward(blocks)
         eager, _ = engine._forward(build_verify_batch(blocks, engine.device))
         torch.testing.assert_close(graphed, eager, atol=1e-4, rtol=1e-4)
     new = {key[:2] for key in set(engine.graphs.graphs) - captured_before}
-    assert new <= set(buckets) and len(set(buckets)) < len(buckets)  # one capture per bucket, then replays
+    assert new <= set(used) and len(set(used)) < len(used)  # one capture per bucket, then replays
 
 
 @pytest.mark.gpu

@@ -40,6 +40,9 @@ def test_logits_and_hidden_states_match_transformers(case: str, placement: str, 
     ours = load_causal_lm(tmp_path, dtype="float32", device=device)
     if placement.endswith("fused"):
         ours.fuse_projections()
+        fused = [p.data_ptr() for p in ours.parameters()]
+        ours.fuse_projections()  # a second drafter or engine on the same model: nothing may move
+        assert [p.data_ptr() for p in ours.parameters()] == fused
     ids = torch.randint(0, SHAPE["vocab_size"], (37,))
     with torch.no_grad():
         expected = reference(ids[None], output_hidden_states=True)

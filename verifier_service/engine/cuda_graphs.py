@@ -10,24 +10,50 @@ and uploads it with one copy; nothing in the step waits for the GPU.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from kernels.tree_mask import tree_positions_and_mask
+from modeling.graph_capture import buckets, capture
 from verifier_service.engine.verify_batch import BlockSpec, VerifyBatch
 
 Forward = Callable[[VerifyBatch], tuple[torch.Tensor, torch.Tensor | None]]
 MIN_TOKENS = 16  # smallest token bucket: below it a step costs the same (the weights dominate)
 
 
-def buckets(limit: int, smallest: int = 1) -> list[int]:
-    """Powers of two from `smallest` up to the first one >= `limit`."""
-    sizes = [smallest]
-    while sizes[-1] < limit:
-        sizes.append(sizes[-1] * 2)
-    return sizes
+@dataclass(frozen=True)
+class Buckets:
+    """The (sessions, tokens) shapes with a graph: powers of two, tokens from MIN_TOKENS."""
+
+    seqs: tuple[int, ...]
+    tokens: tuple[int, ...]
+
+    @staticmethod
+    def up_to(max_seqs: int, max_tokens: int) -> Buckets:
+        return Buckets(tuple(buckets(max_seqs)), tuple(buckets(max_tokens, MIN_TOKENS)))
+
+    def fit(self, block_sizes: list[int]) -> tuple[int, int] | None:
+        """The smallest bucket that holds blocks of these row counts, None when none does."""
+        num_tokens = sum(block_sizes)
+        if len(block_sizes) > self.seqs[-1] or num_tokens > self.tokens[-1]:
+            return None
+        seqs = next(s for s in self.seqs if s >= len(block_sizes))
+        return seqs, next(t for t in self.tokens if t >= max(num_tokens, seqs))
+
+    def reachable(self, tokens_per_session: int, prefill_chunk: int) -> dict[tuple[int, int], list[int]]:
+        """Every bucket that a prefill chunk (one session, up to `prefill_chunk` rows) or a step of sessions
+        with up to `tokens_per_session` rows each can land in, with the block sizes of one batch that does."""
+        found = {}
+        for seqs, tokens in itertools.product(self.seqs, self.tokens):
+            rows = max(tokens_per_session, prefill_chunk) if seqs == 1 else tokens_per_session
+            total = min(tokens, seqs * rows)
+            sizes = [total // seqs + (i < total % seqs) for i in range(seqs)]
+            if total >= seqs and self.fit(sizes) == (seqs, tokens):
+                found[seqs, tokens] = sizes
+        return found
 
 
 @dataclass(frozen=True)
@@ -79,8 +105,7 @@ class GraphedForward:
         """max_block_tokens: the most rows of one block (a tree with its root, or a prefill chunk)."""
         self.forward, self.layout, self.device = forward, layout, device
         self.max_block_tokens, self.max_context = max_block_tokens, max_context
-        self.token_buckets = buckets(layout.max_tokens, MIN_TOKENS)
-        self.seq_buckets = buckets(layout.max_seqs)
+        self.buckets = Buckets.up_to(layout.max_seqs, layout.max_tokens)
         self.host = torch.zeros(layout.size, dtype=torch.int32, pin_memory=True)
         self.inputs = torch.zeros(layout.size, dtype=torch.int32, device=device)
         self.positions = torch.zeros(layout.max_tokens, dtype=torch.int64, device=device)
@@ -91,17 +116,18 @@ class GraphedForward:
 
     def bucket(self, blocks: list[BlockSpec]) -> tuple[int, int] | None:
         """(sessions, tokens) of the smallest bucket the blocks fit, None when none does."""
-        num_tokens = sum(len(b.tokens) for b in blocks)
-        if len(blocks) > self.layout.max_seqs or num_tokens > self.layout.max_tokens \
-                or max(len(b.pages) for b in blocks) > self.layout.max_pages:
+        if max(len(b.pages) for b in blocks) > self.layout.max_pages:
             return None
-        seqs = next(s for s in self.seq_buckets if s >= len(blocks))
-        return seqs, next(t for t in self.token_buckets if t >= max(num_tokens, seqs))
+        return self.buckets.fit([len(b.tokens) for b in blocks])
 
-    def run(self, blocks: list[BlockSpec], capture_key: tuple) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """hidden [N, H] and features for the blocks' N rows (copies: the next replay reuses the outputs).
-        `capture_key` names whatever else the captured forward depends on (the captured feature layers)."""
-        seqs, tokens = self.bucket(blocks)
+    def run(self, blocks: list[BlockSpec], capture_key: tuple) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """hidden [N, H] and features for the blocks' N rows (copies: the next replay reuses the outputs), or
+        None when the blocks fit no bucket. `capture_key` names whatever else the captured forward depends on
+        (the captured feature layers)."""
+        bucket = self.bucket(blocks)
+        if bucket is None:
+            return None
+        seqs, tokens = bucket
         self._upload(blocks, seqs, tokens)
         key = (seqs, tokens, capture_key)
         if key not in self.graphs:
@@ -156,15 +182,7 @@ class GraphedForward:
             tree_positions_and_mask(parents, batch.cu_tree, batch.prefix_lens, batch.positions, batch.tree_mask)
             return self.forward(batch)
 
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):  # NOTE: compile and autotune the kernels before capturing them
-            step()
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        # NOTE: thread-local: the service's event loop may copy step features off the GPU meanwhile.
-        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-            hidden, features = step()
+        graph, (hidden, features) = capture(step, self.device, self.pool)
         return _Captured(graph, hidden, features)
 
 

@@ -74,14 +74,13 @@ class Engine:
         return GraphedForward(self._forward, layout, config.max_block_tokens, self.max_context, self.device)
 
     def warm_up(self, tokens_per_session: int) -> int:
-        """Capture now the graphs a server meets first (a prefill chunk; steps of 1, 2, 4, ... sessions with
-        `tokens_per_session` rows each) rather than during its first requests. Returns the graphs held."""
+        """Capture now every graph that a prefill chunk or a step of sessions with up to `tokens_per_session`
+        rows each can need: a capture in mid-request stalls every session for as long as it takes.
+        Returns the graphs held."""
         if self.graphs is None:
             return 0
-        batches = [[self.config.prefill_chunk]] + [
-            [tokens_per_session] * sessions for sessions in self.graphs.seq_buckets
-            if sessions * tokens_per_session <= self.config.max_batch_tokens]
-        for sizes in batches:  # NOTE: blocks with no prefix touch only the tree scratch, never the pages
+        for sizes in self.graphs.buckets.reachable(tokens_per_session, self.config.prefill_chunk).values():
+            # NOTE: blocks with no prefix touch only the tree scratch, never the pages
             self.forward([BlockSpec.chain(0, [0] * size, []) for size in sizes])
         return len(self.graphs.graphs)
 
@@ -184,9 +183,8 @@ class Engine:
 
     def forward(self, blocks: list[BlockSpec]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One forward over packed verify blocks: their K/V go to the tree scratch, never the pages."""
-        if self.graphs is not None and self.graphs.bucket(blocks) is not None:
-            return self.graphs.run(blocks, self.feature_layers)
-        return self._forward(build_verify_batch(blocks, self.device))
+        replayed = self.graphs.run(blocks, self.feature_layers) if self.graphs is not None else None
+        return replayed or self._forward(build_verify_batch(blocks, self.device))
 
     @torch.inference_mode()
     def _forward(self, batch: VerifyBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
