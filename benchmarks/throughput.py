@@ -41,13 +41,17 @@ async def run_sessions(gateway: str, texts: list[str], max_new_tokens: int) -> d
     async def one(text: str):
         generation = client.generate(text, max_new_tokens=max_new_tokens, ignore_eos=True)
         summary = await generation.result()
-        return len(generation.token_ids), summary.mean_acceptance_length, generation.token_ids
+        decode_s = (summary.e2e_ms - summary.ttft_ms) / 1e3
+        return (len(generation.token_ids), summary.mean_acceptance_length, generation.token_ids, summary.ttft_ms,
+                (len(generation.token_ids) - 1) / decode_s)
 
     started = time.perf_counter()
     results = await asyncio.gather(*(one(t) for t in texts))
     elapsed = time.perf_counter() - started
     return {"tokens_per_s": sum(r[0] for r in results) / elapsed, "seconds": elapsed,
-            "mean_acceptance_length": statistics.mean(r[1] for r in results), "outputs": [r[2] for r in results]}
+            "mean_acceptance_length": statistics.mean(r[1] for r in results), "outputs": [r[2] for r in results],
+            "mean_ttft_ms": statistics.mean(r[3] for r in results),
+            "decode_tokens_per_s": sum(r[4] for r in results)}
 
 
 def agreeing_prefix(a: list[int], b: list[int]) -> int:
@@ -97,6 +101,9 @@ def main() -> None:
                      "plain_tokens_per_s": plain["tokens_per_s"],
                      "speedup": spec["tokens_per_s"] / plain["tokens_per_s"],
                      "mean_acceptance_length": spec["mean_acceptance_length"], "identical_outputs": sum(same),
+                     "speculative_decode_tokens_per_s": spec["decode_tokens_per_s"],
+                     "plain_decode_tokens_per_s": plain["decode_tokens_per_s"],
+                     "speculative_mean_ttft_ms": spec["mean_ttft_ms"], "plain_mean_ttft_ms": plain["mean_ttft_ms"],
                      "mean_agreeing_prefix": statistics.mean(agreeing_prefix(a, b) for a, b in
                                                             zip(spec["outputs"], plain["outputs"]))})
     command = "python " + " ".join(sys.argv)
@@ -105,12 +112,19 @@ def main() -> None:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / "throughput.json").write_text(json.dumps(result, indent=2))
     lines = [f"# Throughput through the local stack ({args.device}, {Path(target).name})", "", f"`{command}`", "",
-             "| sessions | speculative tok/s | plain tok/s | speedup | mean acceptance | identical outputs "
-             "| tokens agreeing before the first difference |", "|---|---|---|---|---|---|---|"]
+             "| sessions | speculative tok/s | plain tok/s | speedup | decode tok/s, speculative / plain "
+             "| mean TTFT ms, speculative / plain | mean acceptance | identical outputs "
+             "| tokens agreeing before the first difference |", "|---|---|---|---|---|---|---|---|---|"]
     lines += [f"| {r['concurrency']} | {r['speculative_tokens_per_s']:.1f} | {r['plain_tokens_per_s']:.1f} | "
-              f"{r['speedup']:.2f}x | {r['mean_acceptance_length']:.2f} | {r['identical_outputs']}/{r['concurrency']} "
+              f"{r['speedup']:.2f}x | {r['speculative_decode_tokens_per_s']:.0f} / "
+              f"{r['plain_decode_tokens_per_s']:.0f} "
+              f"| {r['speculative_mean_ttft_ms']:.0f} / {r['plain_mean_ttft_ms']:.0f} "
+              f"| {r['mean_acceptance_length']:.2f} | {r['identical_outputs']}/{r['concurrency']} "
               f"| {r['mean_agreeing_prefix']:.1f} of {args.max_new_tokens} |" for r in rows]
-    note = ("On the CPU (fp32) the outputs are asserted equal. In bf16 the verify step (prefix partials merged with "
+    note = ("tok/s counts every generated token over the wall time of the whole run, prefill included; decode "
+            "tok/s sums each session's rate after its first token; TTFT is request to first token (the prefill, "
+            "queued behind the other sessions' prefills). "
+            "On the CPU (fp32) the outputs are asserted equal. In bf16 the verify step (prefix partials merged with "
             "the tree block) and a plain step round differently, so near-tied argmaxes can flip (counted here).")
     (args.out_dir / "throughput.md").write_text("\n".join(lines) + "\n\n" + note + "\n")
     print("\n".join(lines))
