@@ -18,12 +18,7 @@ from pathlib import Path
 
 from ddtree.client import AsyncClient
 from ddtree.local_stack import LocalStack, ensure_tiny_model, free_port
-from modeling.tiny import make_tiny_target
-
-# Qwen3-0.6B's layers with the byte-level tokenizer of the tiny model (random weights: no hub downloads).
-QWEN3_06B_LAYERS = {"hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,
-                    "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128, "rope_theta": 1e6,
-                    "max_position_embeddings": 40960, "torch_dtype": "bfloat16"}
+from modeling.tiny import QWEN3_06B_SHAPE, make_tiny_target
 
 PARAGRAPH = ("The verifier keeps the prefix dense in pages, the drafter proposes a tree, and the target checks "
              "every branch in one pass. ")
@@ -82,7 +77,7 @@ def main() -> None:
     args = parser.parse_args()
     target = str(ensure_tiny_model()[0]) if args.tiny else args.target
     if args.random_target:
-        target = str(make_tiny_target(args.random_target, shape=QWEN3_06B_LAYERS))
+        target = str(make_tiny_target(args.random_target, shape=QWEN3_06B_SHAPE))
     if target is None:
         raise SystemExit("--target DIR or --tiny")
     verifier_args = ("--tree-budget", str(args.tree_budget), "--max-context", str(args.context + 2048),

@@ -78,6 +78,12 @@ def _random_tensors(shapes: dict[str, torch.Size], seed: int, std: float) -> dic
             for name, shape in shapes.items()}
 
 
+# Qwen3-0.6B's layers with the byte-level tokenizer of the tiny model (random weights: no hub downloads).
+QWEN3_06B_SHAPE = {"hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,
+                   "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128, "rope_theta": 1e6,
+                   "max_position_embeddings": 40960, "torch_dtype": "bfloat16"}
+
+
 def make_tiny_target(path: str | Path, seed: int = 0, shape: dict | None = None) -> Path:
     """Write config.json, two safetensors shards + index, tokenizer.json into `path`. `shape` overrides config
     fields (a bigger random model with the same byte-level tokenizer, e.g. for GPU benchmarks; its
