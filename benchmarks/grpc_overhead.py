@@ -2,7 +2,7 @@
 loop) and through gateway -> verifier <-> drafter over loopback gRPC, same model, drafter and prompt.
 
 The difference per verify step is the gRPC overhead (both hops, serialisation, scheduling). Writes
-benchmarks/results/grpc_overhead.{json,md}.
+benchmarks/results/grpc_overhead[_cuda].{json,md}.
 
     python benchmarks/grpc_overhead.py [--drafter ngram] [--max-new-tokens 256] [--repeats 3]
     python benchmarks/grpc_overhead.py --random-target DIR --device cuda   # Qwen3-0.6B shape on the GPU
@@ -84,8 +84,9 @@ def main() -> None:
               "in_process_ms_per_step": local_ms, "services_ms_per_step": remote_ms,
               "overhead_ms_per_step": remote_ms - local_ms}
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / "grpc_overhead.json").write_text(json.dumps(result, indent=2))
-    (args.out_dir / "grpc_overhead.md").write_text(
+    name = "grpc_overhead_cuda" if gpu else "grpc_overhead"  # NOTE: the CPU and GPU results are kept side by side
+    (args.out_dir / f"{name}.json").write_text(json.dumps(result, indent=2))
+    (args.out_dir / f"{name}.md").write_text(
         f"# gRPC overhead per decode step ({result['machine']})\n\n`{result['command']}`\n\n"
         "| drafter | steps | in process (ms/step) | through the services (ms/step) | overhead (ms/step) |\n"
         "|---|---|---|---|---|\n"

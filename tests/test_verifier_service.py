@@ -4,12 +4,18 @@ sends malformed trees (each costs one step of speculation and is counted)."""
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
+
+import grpc
 
 from modeling.tree import DraftTree
+from proto import drafter_pb2, drafter_pb2_grpc
 from tests.engine_helpers import GREEDY, make_engine, plain_generate
 from verifier_service.drafter_pool import DrafterPool
 from verifier_service.metrics import VerifierMetrics
 from verifier_service.service import VerifierService
+from verifier_service.worker import EngineWorker
 
 PROMPT = list(b"no drafter, no problem")
 
@@ -52,3 +58,59 @@ def test_malformed_trees_are_counted_and_change_nothing(tiny_target) -> None:
     metrics = VerifierMetrics()
     assert generate(VerifierService(engine, MalformedDrafters("", metrics), metrics)) == plain_generate(engine, PROMPT)
     assert metrics.bad_trees._value.get() == GREEDY.max_new_tokens
+
+
+def test_steps_run_on_the_loop_only_while_the_engine_thread_is_idle() -> None:
+    async def main() -> None:
+        worker, threaded = EngineWorker(), EngineWorker(inline_steps=False)
+        here = threading.get_ident()
+        assert await worker.step_call(threading.get_ident) == here
+        assert await threaded.step_call(threading.get_ident) != here
+        release = threading.Event()
+        prefill = asyncio.ensure_future(worker.call(release.wait, 5))
+        await asyncio.sleep(0.05)
+        step = asyncio.ensure_future(worker.step_call(threading.get_ident))
+        await asyncio.sleep(0.05)
+        assert not step.done()  # queued behind the running call: never beside it
+        release.set()
+        assert await prefill and await step != here
+        assert await worker.step_call(threading.get_ident) == here
+        worker.shutdown()
+        threaded.shutdown()
+
+    asyncio.run(main())
+
+
+class SilentDrafter(drafter_pb2_grpc.DrafterServicer):
+    """Accepts the stream and every request, answers none of them."""
+
+    async def Info(self, request, context):
+        return drafter_pb2.DrafterInfoReply(replica_id="silent", drafter_kind="ngram")
+
+    async def Draft(self, request_iterator, context):
+        async for _ in request_iterator:
+            pass
+        return
+        yield  # NOTE: makes this a (reply-less) stream handler
+
+
+def test_a_replica_that_never_answers_costs_one_timeout_per_step() -> None:
+    async def main() -> None:
+        server = grpc.aio.server()
+        drafter_pb2_grpc.add_DrafterServicer_to_server(SilentDrafter(), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        metrics = VerifierMetrics()
+        pool = DrafterPool(f"127.0.0.1:{port}", metrics, timeout_s=0.2)
+        await pool.refresh()
+        pool.attach("s", lambda: [1, 2, 3], None)
+        for step in range(2):
+            started = time.perf_counter()
+            assert await pool.draft("s", step, [], None, 4, 3, 15) is None
+            assert 0.2 <= time.perf_counter() - started < 2.0
+        (link,) = pool.live_links()
+        assert link.alive and not link.waiting  # the stream stays; no reply is awaited any more
+        await pool.stop()
+        await server.stop(None)
+
+    asyncio.run(main())

@@ -58,7 +58,7 @@ class StepBatcher:
 
     async def _step(self, batch: list[_Pending]) -> None:
         try:
-            results = await self.worker.call(self.engine.step, [(p.session_id, p.tree) for p in batch])
+            results = await self.worker.step_call(self.engine.step, [(p.session_id, p.tree) for p in batch])
         except Exception as error:  # noqa: BLE001 - handed to the waiting caller
             if len(batch) == 1:
                 batch[0].future.set_exception(error)

@@ -87,12 +87,16 @@ class ReplicaLink:
 
     async def ask(self, session_id: str, step: int, request: drafter_pb2.DrafterRequest,
                   timeout_s: float) -> drafter_pb2.DrafterReply:
-        future = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
         self.waiting[(session_id, step)] = future
         self.send(request)
+        # NOTE: a timer on the future itself, not asyncio.wait_for: that adds two loop turns to every reply
+        expiry = loop.call_later(timeout_s, _expire, future)
         try:
-            return await asyncio.wait_for(future, timeout_s)
+            return await future
         finally:
+            expiry.cancel()
             self.waiting.pop((session_id, step), None)  # a late reply is stale and dropped
 
     async def close(self) -> None:
@@ -101,6 +105,11 @@ class ReplicaLink:
         await self.channel.close()
         if self.reader:
             await asyncio.gather(self.reader, return_exceptions=True)
+
+
+def _expire(future: asyncio.Future) -> None:
+    if not future.done():
+        future.set_exception(asyncio.TimeoutError())
 
 
 @dataclass

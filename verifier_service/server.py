@@ -80,7 +80,7 @@ async def serve(args: argparse.Namespace) -> None:
         logging.info("captured %d CUDA graphs", engine.warm_up(args.tree_budget + 1))
     metrics = VerifierMetrics()
     drafters = DrafterPool(args.drafters, metrics, timeout_s=args.draft_timeout_s) if args.drafters else None
-    service = VerifierService(engine, drafters, metrics, tree_budget=args.tree_budget)
+    service = VerifierService(engine, drafters, metrics, tree_budget=args.tree_budget, inline_steps=group is None)
 
     server = grpc.aio.server(options=server_options())
     verifier_pb2_grpc.add_VerifierServicer_to_server(VerifierServicer(service, Path(args.target).name), server)

@@ -42,9 +42,10 @@ class StepEvent:
 
 class VerifierService:
     def __init__(self, engine: Engine, drafters: DrafterPool | None, metrics: VerifierMetrics,
-                 tree_budget: int = 15):
+                 tree_budget: int = 15, inline_steps: bool = True):
+        """inline_steps: see EngineWorker (off for a tensor-parallel group)."""
         self.engine, self.drafters, self.metrics, self.tree_budget = engine, drafters, metrics, tree_budget
-        self.worker = EngineWorker()
+        self.worker = EngineWorker(inline_steps)
         self.batcher = StepBatcher(engine, self.worker)
         self.generating: set[str] = set()
         self.down = asyncio.Event()
