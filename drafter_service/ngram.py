@@ -117,9 +117,15 @@ def _trie_tree(continuations: list[list[int]], budget: int) -> DraftTree:
     and the child is deeper, so sorting by (-count, depth, creation order) lists parents first: the kept
     prefix is a tree in topological order.
     """
+    # NOTE: periodic text repeats whole continuations: insert each distinct one once, with its multiplicity
+    # (same trie, same creation order: a repeat never creates a node).
+    repeats: dict[tuple[int, ...], int] = {}
+    for continuation in continuations:
+        key = tuple(continuation)
+        repeats[key] = repeats.get(key, 0) + 1
     children: list[dict[int, int]] = [{}]  # trie node 0 = the root
     token_of, parent_of, depth_of, count = [-1], [-1], [0], [len(continuations)]
-    for continuation in continuations:
+    for continuation, times in repeats.items():
         node = 0
         for token in continuation:
             child = children[node].get(token)
@@ -131,7 +137,7 @@ def _trie_tree(continuations: list[list[int]], budget: int) -> DraftTree:
                 parent_of.append(node)
                 depth_of.append(depth_of[node] + 1)
                 count.append(0)
-            count[child] += 1
+            count[child] += times
             node = child
     kept = sorted(range(1, len(token_of)), key=lambda i: (-count[i], depth_of[i], i))[:budget]
     position = {0: -1}
