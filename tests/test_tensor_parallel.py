@@ -270,7 +270,7 @@ def test_a_stuck_engine_thread_holds_no_request_once_the_engine_is_down(tiny_tar
     engine.step = lambda work: collective.wait()  # a step that never returns by itself
 
     async def scenario() -> None:
-        service = VerifierService(engine, None, VerifierMetrics())
+        service = VerifierService(engine, None, VerifierMetrics(), inline_steps=False)  # as a TP group serves
         await service.start()
         session = await service.create_session([1, 2, 3])
         steps = service.generate(session.session_id, [], SamplingParams(max_new_tokens=4), keep_session=False)

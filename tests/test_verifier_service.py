@@ -12,6 +12,7 @@ import grpc
 from modeling.tree import DraftTree
 from proto import drafter_pb2, drafter_pb2_grpc
 from tests.engine_helpers import GREEDY, make_engine, plain_generate
+from verifier_service.batcher import StepBatcher
 from verifier_service.drafter_pool import DrafterPool
 from verifier_service.metrics import VerifierMetrics
 from verifier_service.service import VerifierService
@@ -114,3 +115,23 @@ def test_a_replica_that_never_answers_costs_one_timeout_per_step() -> None:
         await server.stop(None)
 
     asyncio.run(main())
+
+
+def test_a_step_runs_on_the_loop_only_when_no_other_session_needs_it(tiny_target) -> None:
+    """Another generating session is between steps: its draft round trip must overlap this step."""
+    engine = make_engine(tiny_target)
+    threads = []
+    engine.step = lambda work: threads.append(threading.get_ident()) or [None] * len(work)
+
+    async def main() -> None:
+        worker, generating = EngineWorker(), [1]
+        batcher = StepBatcher(engine, worker, lambda: generating[0])
+        batcher.start()
+        await batcher.submit("a", DraftTree.empty())
+        generating[0] = 2
+        await batcher.submit("a", DraftTree.empty())
+        await batcher.stop()
+        worker.shutdown()
+
+    asyncio.run(main())
+    assert threads[0] == threading.get_ident() != threads[1]

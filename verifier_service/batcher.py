@@ -4,6 +4,7 @@ the next one, so sessions ready at the same time share one forward."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from modeling.tree import DraftTree
@@ -19,8 +20,9 @@ class _Pending:
 
 
 class StepBatcher:
-    def __init__(self, engine: Engine, worker: EngineWorker):
-        self.engine, self.worker = engine, worker
+    def __init__(self, engine: Engine, worker: EngineWorker, generating: Callable[[], int]):
+        """generating: how many sessions are generating (in a step, between steps, or queued here)."""
+        self.engine, self.worker, self.generating = engine, worker, generating
         self.queue: list[_Pending] = []
         self.wakeup = asyncio.Event()
         self.task: asyncio.Task | None = None
@@ -58,7 +60,10 @@ class StepBatcher:
 
     async def _step(self, batch: list[_Pending]) -> None:
         try:
-            results = await self.worker.step_call(self.engine.step, [(p.session_id, p.tree) for p in batch])
+            # NOTE: a session between steps needs the loop during this one (its draft round trip overlaps the
+            # GPU work), so only a batch of every generating session may run on the loop itself.
+            call = self.worker.step_call if len(batch) >= self.generating() else self.worker.call
+            results = await call(self.engine.step, [(p.session_id, p.tree) for p in batch])
         except Exception as error:  # noqa: BLE001 - handed to the waiting caller
             if len(batch) == 1:
                 batch[0].future.set_exception(error)

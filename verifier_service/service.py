@@ -46,8 +46,8 @@ class VerifierService:
         """inline_steps: see EngineWorker (off for a tensor-parallel group)."""
         self.engine, self.drafters, self.metrics, self.tree_budget = engine, drafters, metrics, tree_budget
         self.worker = EngineWorker(inline_steps)
-        self.batcher = StepBatcher(engine, self.worker)
         self.generating: set[str] = set()
+        self.batcher = StepBatcher(engine, self.worker, lambda: len(self.generating))
         self.down = asyncio.Event()
         self.down_reason = ""
         if drafters is not None:
