@@ -135,3 +135,21 @@ def test_a_step_runs_on_the_loop_only_when_no_other_session_needs_it(tiny_target
 
     asyncio.run(main())
     assert threads[0] == threading.get_ident() != threads[1]
+
+
+def test_a_drafter_that_reads_features_gets_its_graphs_captured_before_the_first_step(tiny_target) -> None:
+    """Start-up captured graphs that return no features; the drafter's layers arrive later."""
+    engine = make_engine(tiny_target)
+    warmed = []
+    engine.warm_up = lambda tokens_per_session: warmed.append((engine.feature_layers, tokens_per_session)) or 3
+
+    async def main() -> None:
+        service = VerifierService(engine, DrafterPool("127.0.0.1:9", VerifierMetrics()), VerifierMetrics(),
+                                  tree_budget=7)
+        info = drafter_pb2.DrafterInfoReply(target_layer_ids=[1, 2])
+        service.drafters.on_info(info)  # what the pool calls when a replica connects
+        service.drafters.on_info(info)  # the same layers again (another replica): nothing to capture
+        await service.stop()
+
+    asyncio.run(main())
+    assert warmed == [((1, 2), 8)]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -19,6 +20,8 @@ from verifier_service.engine.sampling import SamplingParams
 from verifier_service.engine.session import Session
 from verifier_service.metrics import VerifierMetrics
 from verifier_service.worker import EngineWorker
+
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
@@ -40,6 +43,15 @@ class StepEvent:
     verify_s: float
 
 
+def _log_warm_up(warming: asyncio.Future) -> None:
+    if warming.cancelled():
+        return
+    if warming.exception() is not None:
+        log.error("capturing the feature-returning CUDA graphs failed: %r", warming.exception())
+    elif warming.result():
+        log.info("captured CUDA graphs for the drafter's feature layers (%d held)", warming.result())
+
+
 class VerifierService:
     def __init__(self, engine: Engine, drafters: DrafterPool | None, metrics: VerifierMetrics,
                  tree_budget: int = 15, inline_steps: bool = True):
@@ -50,11 +62,19 @@ class VerifierService:
         self.batcher = StepBatcher(engine, self.worker, lambda: len(self.generating))
         self.down = asyncio.Event()
         self.down_reason = ""
+        self.warming: asyncio.Future | None = None
         if drafters is not None:
             drafters.on_info = self._use_drafter_features
 
     def _use_drafter_features(self, info) -> None:
-        self.engine.feature_layers = tuple(info.target_layer_ids)
+        layers = tuple(info.target_layer_ids)
+        if layers == self.engine.feature_layers:
+            return
+        self.engine.feature_layers = layers
+        # NOTE: the graphs captured at start return no features: capture the ones that do now, on the engine
+        # thread (requests queue behind it), rather than in the middle of the first steps.
+        self.warming = asyncio.ensure_future(self.worker.call(self.engine.warm_up, self.tree_budget + 1))
+        self.warming.add_done_callback(_log_warm_up)
 
     async def start(self) -> None:
         self.batcher.start()
@@ -63,6 +83,8 @@ class VerifierService:
             self.drafters.start()
 
     async def stop(self) -> None:
+        if self.warming is not None:
+            await asyncio.gather(self.warming, return_exceptions=True)
         await self.batcher.stop()
         if self.drafters is not None:
             await self.drafters.stop()
