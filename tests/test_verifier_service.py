@@ -138,7 +138,8 @@ def test_a_step_runs_on_the_loop_only_when_no_other_session_needs_it(tiny_target
 
 
 def test_a_drafter_that_reads_features_gets_its_graphs_captured_before_the_first_step(tiny_target) -> None:
-    """Start-up captured graphs that return no features; the drafter's layers arrive later."""
+    """Start-up captures graphs that return no features (no replica answered); the drafter's layers arrive
+    later and get theirs."""
     engine = make_engine(tiny_target)
     warmed = []
     engine.warm_up = lambda tokens_per_session: warmed.append((engine.feature_layers, tokens_per_session)) or 3
@@ -146,10 +147,11 @@ def test_a_drafter_that_reads_features_gets_its_graphs_captured_before_the_first
     async def main() -> None:
         service = VerifierService(engine, DrafterPool("127.0.0.1:9", VerifierMetrics()), VerifierMetrics(),
                                   tree_budget=7)
+        await service.start()
         info = drafter_pb2.DrafterInfoReply(target_layer_ids=[1, 2])
         service.drafters.on_info(info)  # what the pool calls when a replica connects
         service.drafters.on_info(info)  # the same layers again (another replica): nothing to capture
         await service.stop()
 
     asyncio.run(main())
-    assert warmed == [((1, 2), 8)]
+    assert warmed == [((), 8), ((1, 2), 8)]

@@ -77,7 +77,6 @@ async def serve(args: argparse.Namespace) -> None:
         engine = group.engine
     else:
         engine = Engine.from_checkpoint(args.target, config)
-        logging.info("captured %d CUDA graphs", engine.warm_up(args.tree_budget + 1))
     metrics = VerifierMetrics()
     drafters = DrafterPool(args.drafters, metrics, timeout_s=args.draft_timeout_s) if args.drafters else None
     service = VerifierService(engine, drafters, metrics, tree_budget=args.tree_budget, inline_steps=group is None)

@@ -47,9 +47,9 @@ def _log_warm_up(warming: asyncio.Future) -> None:
     if warming.cancelled():
         return
     if warming.exception() is not None:
-        log.error("capturing the feature-returning CUDA graphs failed: %r", warming.exception())
-    elif warming.result():
-        log.info("captured CUDA graphs for the drafter's feature layers (%d held)", warming.result())
+        log.error("capturing CUDA graphs failed: %r", warming.exception())
+    else:
+        log.info("captured %d CUDA graphs", warming.result())
 
 
 class VerifierService:
@@ -71,16 +71,23 @@ class VerifierService:
         if layers == self.engine.feature_layers:
             return
         self.engine.feature_layers = layers
-        # NOTE: the graphs captured at start return no features: capture the ones that do now, on the engine
-        # thread (requests queue behind it), rather than in the middle of the first steps.
+        self._warm_up()  # NOTE: graphs without these features return none: capture the ones that do
+
+    def _warm_up(self) -> None:
+        """Capture the engine's graphs for steps of this tree budget on the engine thread (requests queue
+        behind it) rather than in the middle of the first steps."""
         self.warming = asyncio.ensure_future(self.worker.call(self.engine.warm_up, self.tree_budget + 1))
         self.warming.add_done_callback(_log_warm_up)
 
     async def start(self) -> None:
+        """Connects the drafters first: a replica that answers now names the feature layers to capture."""
         self.batcher.start()
         if self.drafters is not None:
             await self.drafters.refresh()
             self.drafters.start()
+        if self.warming is None:
+            self._warm_up()
+        await self.warming
 
     async def stop(self) -> None:
         if self.warming is not None:

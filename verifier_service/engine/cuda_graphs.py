@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -92,9 +93,10 @@ class Layout:
         return self.tables.stop
 
 
-class _Captured:
-    def __init__(self, graph: torch.cuda.CUDAGraph, hidden: torch.Tensor, features: torch.Tensor | None):
-        self.graph, self.hidden, self.features = graph, hidden, features
+class _Captured(NamedTuple):
+    graph: torch.cuda.CUDAGraph
+    hidden: torch.Tensor  # [tokens, H], rewritten by every replay
+    features: torch.Tensor | None
 
 
 class GraphedForward:
