@@ -67,41 +67,49 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
 
 
 @triton.jit
+def _norm_rope_heads(
+    src, stride_sh, weight_ptr, eps, cos_ptr, sin_ptr, dst, stride_dh, num_heads,
+    HALF: tl.constexpr, HEADS_P2: tl.constexpr, NORM: tl.constexpr,
+):
+    """Every head's row [D] of one token normalised (optionally) and rotated by the token's angles."""
+    heads = tl.arange(0, HEADS_P2)[:, None]
+    dims = tl.arange(0, HALF)[None, :]
+    ok = heads < num_heads
+    row = src + heads * stride_sh
+    lo = tl.load(row + dims, mask=ok, other=0.0).to(tl.float32)  # [H, D/2]: the two halves rotate together
+    hi = tl.load(row + HALF + dims, mask=ok, other=0.0).to(tl.float32)
+    dtype = dst.dtype.element_ty
+    if NORM:
+        rstd = tl.math.rsqrt((tl.sum(lo * lo, axis=1) + tl.sum(hi * hi, axis=1)) / (2 * HALF) + eps)[:, None]
+        w_lo = tl.load(weight_ptr + dims).to(tl.float32)
+        w_hi = tl.load(weight_ptr + HALF + dims).to(tl.float32)
+        # NOTE: torch rounds after the norm and after the weight
+        lo = ((lo * rstd).to(dtype).to(tl.float32) * w_lo).to(dtype).to(tl.float32)
+        hi = ((hi * rstd).to(dtype).to(tl.float32) * w_hi).to(dtype).to(tl.float32)
+    cos_lo, cos_hi = tl.load(cos_ptr + dims).to(tl.float32), tl.load(cos_ptr + HALF + dims).to(tl.float32)
+    sin_lo, sin_hi = tl.load(sin_ptr + dims).to(tl.float32), tl.load(sin_ptr + HALF + dims).to(tl.float32)
+    out = dst + heads * stride_dh
+    tl.store(out + dims, (lo * cos_lo - hi * sin_lo).to(dtype), mask=ok)
+    tl.store(out + HALF + dims, (hi * cos_hi + lo * sin_hi).to(dtype), mask=ok)
+
+
+@triton.jit
 def _norm_rope_kernel(
     x_ptr, weight_ptr, cos_ptr, sin_ptr, out_ptr, eps, num_heads,
     stride_xn, stride_xh, stride_cn, stride_on, stride_oh,
     HALF: tl.constexpr, HEADS_P2: tl.constexpr, NORM: tl.constexpr,
 ):
-    """One token: every head's row [D] normalised (optionally) and rotated by the token's angles."""
     token = tl.program_id(0).to(tl.int64)
-    heads = tl.arange(0, HEADS_P2)[:, None]
-    dims = tl.arange(0, HALF)[None, :]
-    ok = heads < num_heads
-    row = x_ptr + token * stride_xn + heads * stride_xh
-    lo = tl.load(row + dims, mask=ok, other=0.0).to(tl.float32)  # [H, D/2]: the two halves rotate together
-    hi = tl.load(row + HALF + dims, mask=ok, other=0.0).to(tl.float32)
-    if NORM:
-        rstd = tl.math.rsqrt((tl.sum(lo * lo, axis=1) + tl.sum(hi * hi, axis=1)) / (2 * HALF) + eps)[:, None]
-        w_lo = tl.load(weight_ptr + dims).to(tl.float32)
-        w_hi = tl.load(weight_ptr + HALF + dims).to(tl.float32)
-        dtype = out_ptr.dtype.element_ty  # NOTE: torch rounds after the norm and after the weight
-        lo = ((lo * rstd).to(dtype).to(tl.float32) * w_lo).to(dtype).to(tl.float32)
-        hi = ((hi * rstd).to(dtype).to(tl.float32) * w_hi).to(dtype).to(tl.float32)
-    angles = cos_ptr + token * stride_cn + dims
-    cos_lo, cos_hi = tl.load(angles).to(tl.float32), tl.load(angles + HALF).to(tl.float32)
-    angles = sin_ptr + token * stride_cn + dims
-    sin_lo, sin_hi = tl.load(angles).to(tl.float32), tl.load(angles + HALF).to(tl.float32)
-    out = out_ptr + token * stride_on + heads * stride_oh
-    tl.store(out + dims, (lo * cos_lo - hi * sin_lo).to(out_ptr.dtype.element_ty), mask=ok)
-    tl.store(out + HALF + dims, (hi * cos_hi + lo * sin_hi).to(out_ptr.dtype.element_ty), mask=ok)
+    _norm_rope_heads(x_ptr + token * stride_xn, stride_xh, weight_ptr, eps, cos_ptr + token * stride_cn,
+                     sin_ptr + token * stride_cn, out_ptr + token * stride_on, stride_oh, num_heads,
+                     HALF, HEADS_P2, NORM)
 
 
 def norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor,
               sin: torch.Tensor) -> torch.Tensor:
     """`apply_rotary(RMSNorm(x) if weight is not None else x, cos, sin)` for x [N, H, D], cos/sin [N, D]."""
     num_tokens, num_heads, head_dim = x.shape
-    if x.stride(2) != 1 or cos.shape != (num_tokens, head_dim) or sin.stride() != cos.stride():
-        raise ValueError("x must be [N, H, D] with contiguous D, cos and sin [N, D] alike")
+    _check_angles(x, cos, sin)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if num_tokens:
         _norm_rope_kernel[(num_tokens,)](
@@ -110,6 +118,62 @@ def norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: tor
             HALF=head_dim // 2, HEADS_P2=triton.next_power_of_2(num_heads), NORM=weight is not None, num_warps=4,
         )
     return out
+
+
+@triton.jit
+def _qkv_norm_rope_kernel(
+    q_ptr, k_ptr, v_ptr, q_weight_ptr, k_weight_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr, v_out_ptr, eps,
+    num_heads, num_kv_heads,
+    stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_cn,
+    stride_qon, stride_qoh, stride_kon, stride_koh, stride_von, stride_voh,
+    HALF: tl.constexpr, Q_HEADS_P2: tl.constexpr, KV_HEADS_P2: tl.constexpr, NORM: tl.constexpr,
+):
+    """One token's q and k heads normalised and rotated, and its v heads copied: a layer's whole Q/K/V
+    epilogue in one launch, with K and V written straight to where attention reads them."""
+    token = tl.program_id(0).to(tl.int64)
+    cos, sin = cos_ptr + token * stride_cn, sin_ptr + token * stride_cn
+    _norm_rope_heads(q_ptr + token * stride_qn, stride_qh, q_weight_ptr, eps, cos, sin,
+                     q_out_ptr + token * stride_qon, stride_qoh, num_heads, HALF, Q_HEADS_P2, NORM)
+    _norm_rope_heads(k_ptr + token * stride_kn, stride_kh, k_weight_ptr, eps, cos, sin,
+                     k_out_ptr + token * stride_kon, stride_koh, num_kv_heads, HALF, KV_HEADS_P2, NORM)
+    heads = tl.arange(0, KV_HEADS_P2)[:, None]
+    dims = tl.arange(0, 2 * HALF)[None, :]
+    ok = heads < num_kv_heads
+    v = tl.load(v_ptr + token * stride_vn + heads * stride_vh + dims, mask=ok)
+    tl.store(v_out_ptr + token * stride_von + heads * stride_voh + dims, v, mask=ok)
+
+
+def qkv_norm_rope(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: torch.Tensor | None,
+                  k_weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+                  k_out: torch.Tensor, v_out: torch.Tensor) -> torch.Tensor:
+    """`norm_rope` of q [N, Hq, D] and of k [N, Hkv, D] into k_out, and v copied into v_out, in one launch;
+    returns the new q. Both norms are given or neither (Qwen3 has both, Llama neither)."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    _check_angles(q, cos, sin)
+    if (q_weight is None) != (k_weight is None):
+        raise ValueError("q and k norms come together")
+    if not (k.shape == v.shape == k_out.shape == v_out.shape == (num_tokens, num_kv_heads, head_dim)):
+        raise ValueError("k, v, k_out and v_out must all be [N, Hkv, D]")
+    if any(t.stride(2) != 1 for t in (k, v, k_out, v_out)):
+        raise ValueError("head_dim must be contiguous")
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if num_tokens:
+        _qkv_norm_rope_kernel[(num_tokens,)](
+            q, k, v, q_weight if q_weight is not None else q, k_weight if k_weight is not None else q, cos, sin,
+            q_out, k_out, v_out, eps, num_heads, num_kv_heads,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
+            q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1), v_out.stride(0), v_out.stride(1),
+            HALF=head_dim // 2, Q_HEADS_P2=triton.next_power_of_2(num_heads),
+            KV_HEADS_P2=triton.next_power_of_2(num_kv_heads), NORM=q_weight is not None, num_warps=4,
+        )
+    return q_out
+
+
+def _check_angles(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    num_tokens, _, head_dim = x.shape
+    if x.stride(2) != 1 or cos.shape != (num_tokens, head_dim) or sin.stride() != cos.stride():
+        raise ValueError("x must be [N, H, D] with contiguous D, cos and sin [N, D] alike")
 
 
 @triton.jit

@@ -159,6 +159,9 @@ class _BlockAttention:
         self.config, self.contexts, self.slots = config, contexts, slots
         self.block_pos, self.context_start = block_pos, context_start
 
+    def kv_buffers(self, layer: int, num_tokens: int) -> None:
+        return None  # the block's K/V go into a per-call gather of the context (below)
+
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q: [S * B, Hq, D]; k, v: [S * B, Hkv, D] -> [S * B, Hq, D]
         sessions, block = self.block_pos.shape
@@ -222,9 +225,11 @@ class DFlashModel(nn.Module):
         attend = _BlockAttention(self.config, contexts, slots, block_pos, context_start)
         x = self.embed_tokens(tokens.flatten())  # [S * B, H]
         cos, sin = self.rotary(block_pos.flatten(), x.dtype)
+        pending = None
         for index, layer in enumerate(self.layers):
-            x = layer(index, x, cos, sin, attend)
-        return self.lm_head(self.norm(x.view(*tokens.shape, -1)[:, 1:]))  # [S, B-1, V]
+            x, pending = layer(index, x, pending, cos, sin, attend)
+        x = self.norm.add_and_norm(x, pending)[1]
+        return self.lm_head(x.view(*tokens.shape, -1)[:, 1:])  # [S, B-1, V]
 
 
 def load_dflash(drafter_dir: str | Path, target_dir: str | Path, dtype: str | torch.dtype | None = None,

@@ -26,6 +26,11 @@ class LayerAttention(Protocol):
         """q: [N, Hq, D]; k, v: [N, Hkv, D] for the same N tokens -> [N, Hq, D]."""
         ...
 
+    def kv_buffers(self, layer: int, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Where this layer's K and V end up ([N, Hkv, D] each), so the projection can write them there
+        directly instead of the caller copying them; None when the caller keeps no such buffer."""
+        ...
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
@@ -41,8 +46,10 @@ class RMSNorm(nn.Module):
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
 
-    def add_and_norm(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The residual add and this norm: (x + delta, norm(x + delta))."""
+    def add_and_norm(self, x: torch.Tensor, delta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual add and this norm: (x + delta, norm(x + delta)); no add when delta is None."""
+        if delta is None:
+            return x, self(x)
         if x.is_cuda:
             return fused_ops().add_rms_norm(x, delta, self.weight, self.eps)
         total = x + delta
@@ -106,12 +113,19 @@ class Attention(nn.Module):
             self.q_norm = self.k_norm = None
         self.qkv: FusedLinear | None = None
 
-    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """q [N, Hq, D], k and v [N, Hkv, D] of the same tokens."""
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv_out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, ...]:
+        """q [N, Hq, D], k and v [N, Hkv, D] of the same tokens; on CUDA k and v land in `kv_out` if given."""
         if self.qkv is None:
             return self.query(x, cos, sin), *self.key_value(x, cos, sin)
         q, k, v = (t.view(x.shape[0], -1, self.head_dim) for t in self.qkv(x))
-        return norm_rope(q, self.q_norm, cos, sin), norm_rope(k, self.k_norm, cos, sin), v
+        if not x.is_cuda:
+            return norm_rope(q, self.q_norm, cos, sin), norm_rope(k, self.k_norm, cos, sin), v
+        k_out, v_out = kv_out or (torch.empty_like(k), torch.empty_like(v))
+        q_norm, k_norm = self.q_norm, self.k_norm
+        q = fused_ops().qkv_norm_rope(q, k, v, q_norm and q_norm.weight, k_norm and k_norm.weight,
+                                      q_norm.eps if q_norm else 0.0, cos, sin, k_out, v_out)
+        return q, k_out, v_out
 
     def query(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         q = self.q_proj(x).view(x.shape[0], self.num_heads, self.head_dim)  # [N, Hq, D]
@@ -150,8 +164,11 @@ class DecoderLayer(nn.Module):
         attn.qkv = FusedLinear(attn.q_proj, attn.k_proj, attn.v_proj)
         mlp.gate_up = FusedLinear(mlp.gate_proj, mlp.up_proj)
 
-    def forward(self, index: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                attend: LayerAttention) -> torch.Tensor:
-        q, k, v = self.self_attn.project(self.input_layernorm(x), cos, sin)
+    def forward(self, index: int, x: torch.Tensor, pending: torch.Tensor | None, cos: torch.Tensor,
+                sin: torch.Tensor, attend: LayerAttention) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's input is `x + pending` (the previous layer's MLP output, None for the first layer);
+        returns the same pair for the next one. Each residual add runs fused into the norm that follows it."""
+        x, h = self.input_layernorm.add_and_norm(x, pending)
+        q, k, v = self.self_attn.project(h, cos, sin, attend.kv_buffers(index, h.shape[0]))
         x, h = self.post_attention_layernorm.add_and_norm(x, self.self_attn.output(attend(index, q, k, v)))
-        return x + self.mlp(h)
+        return x, self.mlp(h)

@@ -40,18 +40,15 @@ class CausalLM(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """-> final normed hidden [N, H] and, if asked, the concatenated hidden states after
         `capture_layers` [N, len(capture_layers) * H] (HF `hidden_states[i + 1]`)."""
-        x = self.model.embed_tokens(input_ids)
+        x, pending = self.model.embed_tokens(input_ids), None
         cos, sin = self.rotary(positions, x.dtype)
-        captured = []
+        captured = {}
         for index, layer in enumerate(self.model.layers):
-            x = layer(index, x, cos, sin, attend)
+            x, pending = layer(index, x, pending, cos, sin, attend)
             if index in capture_layers:
-                captured.append(x)
-        features = None
-        if capture_layers:
-            by_layer = dict(zip(sorted(set(capture_layers)), captured))
-            features = torch.cat([by_layer[i] for i in capture_layers], dim=-1)
-        return self.model.norm(x), features
+                captured[index] = x + pending
+        features = torch.cat([captured[i] for i in capture_layers], dim=-1) if capture_layers else None
+        return self.model.norm.add_and_norm(x, pending)[1], features
 
     def fuse_projections(self) -> None:
         for layer in self.model.layers:
@@ -61,5 +58,5 @@ class CausalLM(nn.Module):
         return self.lm_head(hidden).float()
 
     def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, H] -> the argmax token of every row [N]."""
-        return self.logits(hidden).argmax(-1)
+        """hidden [N, H] -> the argmax token of every row [N] (in the model dtype: fp32 orders it alike)."""
+        return self.lm_head(hidden).argmax(-1)

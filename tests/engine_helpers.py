@@ -64,10 +64,18 @@ def random_tree(rng: random.Random, budget: int, vocab: int, truth: list[int], s
     return DraftTree(tuple(tokens), tuple(parents), tuple(depths))
 
 
-def causal_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+class CausalAttention:
     """Plain causal attention over one sequence: the model run the way transformers runs it."""
-    group = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-    scores = torch.einsum("thd,shd->hts", q, k) / q.shape[-1] ** 0.5
-    causal = torch.ones(q.shape[0], q.shape[0], dtype=torch.bool, device=q.device).tril()
-    return torch.einsum("hts,shd->thd", scores.masked_fill(~causal, float("-inf")).softmax(-1), v)
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        scores = torch.einsum("thd,shd->hts", q, k) / q.shape[-1] ** 0.5
+        causal = torch.ones(q.shape[0], q.shape[0], dtype=torch.bool, device=q.device).tril()
+        return torch.einsum("hts,shd->thd", scores.masked_fill(~causal, float("-inf")).softmax(-1), v)
+
+    def kv_buffers(self, layer: int, num_tokens: int) -> None:
+        return None
+
+
+causal_attention = CausalAttention()

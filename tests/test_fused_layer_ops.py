@@ -56,6 +56,28 @@ def test_norm_rope(dtype: torch.dtype, with_norm: bool) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_norm", [True, False])
+def test_qkv_norm_rope_writes_k_and_v_in_place(dtype: torch.dtype, with_norm: bool) -> None:
+    gen = torch.Generator().manual_seed(7)
+    tokens, heads, kv_heads, dim = 5, 4, 2, 32
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=gen).to(DEVICE, dtype)
+    q, k, v = (t.view(tokens, -1, dim) for t in qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], -1))
+    q_weight, k_weight = ((1 + torch.randn(dim, generator=gen) / 4).to(DEVICE, dtype) if with_norm else None
+                          for _ in range(2))
+    angles = torch.rand(tokens, dim // 2, generator=gen) * 50
+    cos, sin = (torch.cat([f(angles)] * 2, -1).to(DEVICE, dtype) for f in (torch.cos, torch.sin))
+    scratch = torch.zeros(2, tokens + 3, kv_heads, dim, device=DEVICE, dtype=dtype)  # rows past N stay untouched
+    got_q = fused.qkv_norm_rope(q, k, v, q_weight, k_weight, 1e-6, cos, sin, scratch[0, :tokens], scratch[1, :tokens])
+    close(got_q, fused.norm_rope(q, q_weight, 1e-6, cos, sin))
+    assert torch.equal(scratch[0, :tokens], fused.norm_rope(k, k_weight, 1e-6, cos, sin))
+    assert torch.equal(scratch[1, :tokens], v)
+    assert not scratch[:, tokens:].any()
+    with pytest.raises(ValueError, match="together"):
+        fused.qkv_norm_rope(q, k, v, q_weight if with_norm else k, None, 1e-6, cos, sin, scratch[0, :tokens],
+                            scratch[1, :tokens])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_silu_mul(dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(5)
     gate, up = (torch.randn(3, 1500, generator=gen).mul(4).to(DEVICE, dtype) for _ in range(2))

@@ -66,9 +66,14 @@ class PagedVerifyAttention:
                  sm_scale: float):
         self.backend, self.kv, self.scratch, self.batch, self.sm_scale = backend, kv, scratch, batch, sm_scale
 
+    def kv_buffers(self, layer: int, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.scratch.k[layer, :num_tokens], self.scratch.v[layer, :num_tokens]
+
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         n = q.shape[0]
-        self.scratch.k[layer, :n] = k
-        self.scratch.v[layer, :n] = v
+        if k.data_ptr() != self.scratch.k[layer].data_ptr():  # not projected in place (CPU, or unfused projections)
+            self.scratch.k[layer, :n] = k
+        if v.data_ptr() != self.scratch.v[layer].data_ptr():
+            self.scratch.v[layer, :n] = v
         return self.backend.verify(q, self.kv.k[layer], self.kv.v[layer], self.scratch.k[layer, :n],
                                    self.scratch.v[layer, :n], self.batch, self.sm_scale)
