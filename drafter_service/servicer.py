@@ -1,8 +1,11 @@
 """The Drafter gRPC servicer: many verifier streams, one batched draft per forward.
 
-Steps of all streams' sessions queue in one scheduler; whatever is queued while a forward runs forms the
-next batch. A newer step for a session whose older step is still queued absorbs it (its committed tokens
-are kept, its reply is dropped as stale).
+A step that arrives while the drafter is idle (nothing queued, no reply being written) is drafted by its
+stream's reader at once and its reply written straight to the stream: no hand-off to another task, each of
+which costs a loop turn on every decode step's round trip. A step that arrives while replies are still being
+written, or while others wait, queues in one scheduler; whatever is queued then forms the next batch, so
+streams that arrive together still share a forward. A newer step for a session whose older step is still
+queued absorbs it (its committed tokens are kept, its reply is dropped as stale).
 
 Drafts run on the event loop itself: a hop to a worker thread and back cost ~0.5 ms of GIL hand-over
 next to gRPC's poller (measured), more than an n-gram draft or a graph-replayed DFlash forward. Nothing
@@ -13,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 
@@ -27,10 +31,64 @@ from proto.tensors import from_proto
 log = logging.getLogger(__name__)
 
 
+class _Stream:
+    """One verifier's Draft stream: the sessions it opened, and its replies, written one at a time in order
+    (gRPC allows one write in flight per call)."""
+
+    def __init__(self, context: grpc.aio.ServicerContext):
+        self.context = context
+        self.opened: set[str] = set()
+        self.pending: deque[drafter_pb2.DrafterReply] = deque()
+        self.writing = False
+        self.writer: asyncio.Task | None = None
+        self.ended = False
+
+    async def write(self, reply: drafter_pb2.DrafterReply) -> None:
+        """The reader's path: write now, or behind the write under way (which then sends this one too)."""
+        self.pending.append(reply)
+        if not self.writing:
+            self.writing = True
+            await self._write_pending()
+
+    def write_soon(self, reply: drafter_pb2.DrafterReply) -> None:
+        """The scheduler's path: it serves many streams, so a task does the waiting."""
+        if self.ended:
+            return
+        self.pending.append(reply)
+        if not self.writing:
+            self.writing = True
+            self.writer = asyncio.create_task(self._write_in_background())
+
+    async def _write_pending(self) -> None:
+        try:
+            while self.pending:
+                await self.context.write(self.pending.popleft())
+        finally:
+            self.writing = False
+
+    async def _write_in_background(self) -> None:
+        try:
+            await self._write_pending()
+        except Exception as error:  # noqa: BLE001 - the stream broke; its reader ends it
+            log.debug("reply not written: %r", error)
+
+    async def finish(self) -> None:
+        """The verifier closed its side: send the replies under way, take no more."""
+        self.ended = True
+        if self.writer is not None:
+            await self.writer
+
+    def end(self) -> None:
+        """The call is over (finished or cancelled): a write still under way has no stream left."""
+        self.ended = True
+        if self.writer is not None:
+            self.writer.cancel()
+
+
 @dataclass
 class _Queued:
     request: StepRequest
-    outbox: asyncio.Queue
+    stream: _Stream
 
 
 def _merge(older: StepRequest, newer: StepRequest) -> StepRequest:
@@ -45,11 +103,18 @@ def _tree_pb(tree: DraftTree) -> common_pb2.DraftTree:
     return common_pb2.DraftTree(tokens=tree.tokens, parents=tree.parents, depths=tree.depths, logprobs=tree.logprobs)
 
 
+def _error_code(error: Exception) -> grpc.StatusCode:
+    if isinstance(error, UnknownSession):
+        return grpc.StatusCode.NOT_FOUND
+    return grpc.StatusCode.INVALID_ARGUMENT if isinstance(error, ValueError) else grpc.StatusCode.INTERNAL
+
+
 class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
     def __init__(self, drafter: SessionDrafter, replica_id: str):
         self.drafter, self.replica_id = drafter, replica_id
         self.queued: dict[str, _Queued] = {}
         self.wakeup = asyncio.Event()
+        self.streams: set[_Stream] = set()
         self.open_ids: set[str] = set()
         self.task: asyncio.Task | None = None
 
@@ -62,32 +127,25 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
 
     # ---- the stream ------------------------------------------------------------------------------------
 
-    async def Draft(self, request_iterator, context) -> AsyncIterator[drafter_pb2.DrafterReply]:
-        outbox: asyncio.Queue = asyncio.Queue()
-        opened: set[str] = set()
-        reader = asyncio.create_task(self._read(request_iterator, outbox, opened))
-        try:
-            while (reply := await outbox.get()) is not None:
-                yield reply
-        finally:
-            reader.cancel()
-            for session_id in list(opened):  # the verifier is gone: its mirrors are orphans
-                self._close(session_id, opened)
-
-    async def _read(self, request_iterator, outbox: asyncio.Queue, opened: set[str]) -> None:
+    async def Draft(self, request_iterator: AsyncIterator[drafter_pb2.DrafterRequest],
+                    context: grpc.aio.ServicerContext) -> None:
+        stream = _Stream(context)
+        self.streams.add(stream)
         try:
             async for request in request_iterator:
                 kind = request.WhichOneof("kind")
                 if kind == "open":
-                    self._open(request.open, outbox, opened)
+                    await self._open(request.open, stream)
                 elif kind == "step":
-                    self._enqueue(request.step, outbox)
+                    await self._step(request.step, stream)
                 elif kind == "close":
-                    self._close(request.close.session_id, opened)
-        except grpc.aio.AioRpcError:
-            pass
+                    self._close(request.close.session_id, stream.opened)
+            await stream.finish()
         finally:
-            outbox.put_nowait(None)
+            stream.end()
+            self.streams.discard(stream)
+            for session_id in list(stream.opened):  # the verifier is gone: its mirrors are orphans
+                self._close(session_id, stream.opened)
 
     def _close(self, session_id: str, opened: set[str]) -> None:
         self.queued.pop(session_id, None)
@@ -95,29 +153,41 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         self.open_ids.discard(session_id)
         self.drafter.close(session_id)
 
-    def _open(self, message: drafter_pb2.DrafterOpen, outbox: asyncio.Queue, opened: set[str]) -> None:
+    async def _open(self, message: drafter_pb2.DrafterOpen, stream: _Stream) -> None:
         self.queued.pop(message.session_id, None)  # steps for the old mirror are stale
         try:
             features = from_proto(message.features)
             self.drafter.open(message.session_id, list(message.token_ids), features, message.start_position)
-            opened.add(message.session_id)
-            self.open_ids.add(message.session_id)
         except ValueError as error:
-            outbox.put_nowait(self._error(message.session_id, 0, grpc.StatusCode.INVALID_ARGUMENT, str(error)))
+            await stream.write(self._error(message.session_id, 0, grpc.StatusCode.INVALID_ARGUMENT, str(error)))
+            return
+        stream.opened.add(message.session_id)
+        self.open_ids.add(message.session_id)
 
-    def _enqueue(self, message: drafter_pb2.DrafterStep, outbox: asyncio.Queue) -> None:
+    async def _step(self, message: drafter_pb2.DrafterStep, stream: _Stream) -> None:
         try:
             features = from_proto(message.features)
         except ValueError as error:
-            outbox.put_nowait(self._error(message.session_id, message.step, grpc.StatusCode.INVALID_ARGUMENT,
-                                          str(error)))
+            await stream.write(self._error(message.session_id, message.step, grpc.StatusCode.INVALID_ARGUMENT,
+                                           str(error)))
             return
         request = StepRequest(message.session_id, message.step, list(message.committed_token_ids), features,
                               message.bonus_token_id, message.position, message.tree_budget)
-        older = self.queued.get(message.session_id)
+        if self._idle():
+            ((_, reply),) = self._draft([_Queued(request, stream)])
+            await stream.write(reply)
+        else:
+            self._enqueue(request, stream)
+
+    def _idle(self) -> bool:
+        """Nothing queued and no reply being written: a step now has no batch to join."""
+        return not self.queued and not any(stream.writing for stream in self.streams)
+
+    def _enqueue(self, request: StepRequest, stream: _Stream) -> None:
+        older = self.queued.get(request.session_id)
         if older is not None:
             request = _merge(older.request, request)
-        self.queued[message.session_id] = _Queued(request, outbox)
+        self.queued[request.session_id] = _Queued(request, stream)
         self.wakeup.set()
 
     # ---- the scheduler -----------------------------------------------------------------------------------
@@ -128,30 +198,26 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             self.wakeup.clear()
             batch, self.queued = list(self.queued.values()), {}
             if batch:
-                self._draft(batch)
-                await asyncio.sleep(0)  # NOTE: the streams send these replies before the next batch runs
+                for stream, reply in self._draft(batch):
+                    stream.write_soon(reply)  # NOTE: its writer task runs before a later step can wake us again
 
-    def _draft(self, batch: list[_Queued]) -> None:
+    def _draft(self, batch: list[_Queued]) -> list[tuple[_Stream, drafter_pb2.DrafterReply]]:
+        """One forward for the batch; a failure is retried one session at a time, to isolate the one at fault."""
         started = time.perf_counter()
         try:
             trees = self.drafter.draft([q.request for q in batch])
         except Exception as error:  # noqa: BLE001 - becomes a per-session error reply
             if len(batch) > 1:
-                for queued in batch:  # isolate the session at fault; the others still get trees
-                    self._draft([queued])
-                return
-            code = grpc.StatusCode.NOT_FOUND if isinstance(error, UnknownSession) else (
-                grpc.StatusCode.INVALID_ARGUMENT if isinstance(error, ValueError) else grpc.StatusCode.INTERNAL)
+                return [reply for queued in batch for reply in self._draft([queued])]
+            code = _error_code(error)
             if code == grpc.StatusCode.INTERNAL:
                 log.exception("draft failed")
             request = batch[0].request
-            batch[0].outbox.put_nowait(self._error(request.session_id, request.step, code, str(error)))
-            return
+            return [(batch[0].stream, self._error(request.session_id, request.step, code, str(error)))]
         draft_ms = (time.perf_counter() - started) * 1e3
-        for queued, tree in zip(batch, trees):
-            queued.outbox.put_nowait(drafter_pb2.DrafterReply(tree=drafter_pb2.DrafterTree(
-                session_id=queued.request.session_id, step=queued.request.step, tree=_tree_pb(tree),
-                replica_id=self.replica_id, draft_ms=draft_ms)))
+        return [(queued.stream, drafter_pb2.DrafterReply(tree=drafter_pb2.DrafterTree(
+            session_id=queued.request.session_id, step=queued.request.step, tree=_tree_pb(tree),
+            replica_id=self.replica_id, draft_ms=draft_ms))) for queued, tree in zip(batch, trees)]
 
     async def Info(self, request, context) -> drafter_pb2.DrafterInfoReply:
         info = self.drafter.info

@@ -1,0 +1,239 @@
+"""The drafter servicer's two paths: a step that finds the drafter idle is drafted by its stream's reader and
+answered at once; steps that arrive while replies are being written queue and form one batch (a newer step
+absorbs its session's older one). Errors stay per session on both paths; a stream that ends closes its sessions.
+
+Most tests drive `Draft` with in-process streams whose writes can be held back (deterministic); one runs the
+servicer behind real gRPC with the verifier's DrafterPool."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+
+from drafter_service.drafter import StepRequest
+from drafter_service.ngram_tree_drafter import NgramTreeDrafter
+from drafter_service.servicer import DrafterServicer
+from proto import common_pb2, drafter_pb2, drafter_pb2_grpc
+from verifier_service.drafter_pool import DrafterPool
+from verifier_service.metrics import VerifierMetrics
+
+PROMPT = [5, 6, 7, 8, 5, 6, 7, 9, 5, 6]
+SCHEDULER = "draft-scheduler"
+
+
+class RecordingDrafter(NgramTreeDrafter):
+    """The n-gram drafter, noting which task drafted which sessions together; `failing` sessions raise."""
+
+    def __init__(self, failing: tuple[str, ...] = ()):
+        super().__init__()
+        self.batches: list[tuple[str, list[str]]] = []
+        self.failing = set(failing)
+
+    def draft(self, requests: list[StepRequest]):
+        self.batches.append((asyncio.current_task().get_name(), [r.session_id for r in requests]))
+        if self.failing.intersection(r.session_id for r in requests):
+            raise RuntimeError("boom")
+        return super().draft(requests)
+
+
+class FakeStream:
+    """One verifier stream in process: requests fed from a queue, writes held until `release()` when gated."""
+
+    def __init__(self, servicer: DrafterServicer, gated: bool = False):
+        self.inbox: asyncio.Queue[drafter_pb2.DrafterRequest | None] = asyncio.Queue()
+        self.replies: list[drafter_pb2.DrafterReply] = []
+        self.gate = asyncio.Event()
+        if not gated:
+            self.gate.set()
+        self.task = asyncio.create_task(servicer.Draft(self._requests(), self))
+
+    async def _requests(self):
+        while (request := await self.inbox.get()) is not None:
+            yield request
+
+    async def write(self, reply: drafter_pb2.DrafterReply) -> None:  # the ServicerContext's write
+        await self.gate.wait()
+        self.replies.append(reply)
+
+    def open(self, session_id: str, tokens: list[int] = PROMPT, features: common_pb2.Tensor | None = None) -> None:
+        self.inbox.put_nowait(drafter_pb2.DrafterRequest(open=drafter_pb2.DrafterOpen(
+            session_id=session_id, token_ids=tokens, features=features)))
+
+    def step(self, session_id: str, step: int, committed: list[int], bonus: int, position: int,
+             features: common_pb2.Tensor | None = None) -> None:
+        self.inbox.put_nowait(drafter_pb2.DrafterRequest(step=drafter_pb2.DrafterStep(
+            session_id=session_id, step=step, committed_token_ids=committed, bonus_token_id=bonus,
+            position=position, tree_budget=8, features=features)))
+
+    def release(self) -> None:
+        self.gate.set()
+
+    def end(self) -> None:
+        self.inbox.put_nowait(None)
+
+    def by_session(self) -> dict[str, drafter_pb2.DrafterReply]:
+        return {getattr(r, r.WhichOneof("kind")).session_id: r for r in self.replies}
+
+
+async def settle() -> None:
+    for _ in range(20):
+        await asyncio.sleep(0)
+
+
+def reference_tree(history: list[int]) -> tuple[int, ...]:
+    """The n-gram tree under history[-1], drafted in process."""
+    drafter = NgramTreeDrafter()
+    drafter.open("s", history[:-1], None, 0)
+    return drafter.draft([StepRequest("s", 0, [], None, history[-1], len(history) - 1, 8)])[0].tokens
+
+
+def error_code(reply: drafter_pb2.DrafterReply) -> grpc.StatusCode:
+    assert reply.WhichOneof("kind") == "error", reply
+    return next(code for code in grpc.StatusCode if code.value[0] == reply.error.code)
+
+
+def run(test) -> None:
+    async def main() -> None:
+        drafter = RecordingDrafter(failing=("z",))
+        servicer = DrafterServicer(drafter, "r0")
+        servicer.start()
+        try:
+            await test(servicer, drafter)
+        finally:
+            servicer.task.cancel()
+    asyncio.run(main())
+
+
+def test_an_idle_drafter_drafts_in_the_reader_and_answers_at_once() -> None:
+    async def test(servicer: DrafterServicer, drafter: RecordingDrafter) -> None:
+        stream = FakeStream(servicer)
+        stream.open("a")
+        stream.step("a", 0, [], 5, len(PROMPT))
+        stream.step("a", 1, [5], 6, len(PROMPT))
+        await settle()
+        assert [name for name, _ in drafter.batches] == [stream.task.get_name()] * 2  # never the scheduler
+        assert [r.tree.step for r in stream.replies] == [0, 1]
+        assert stream.replies[1].tree.tree.tokens == list(reference_tree(PROMPT + [5, 6]))
+        stream.end()
+        await stream.task
+    run(test)
+
+
+def test_steps_arriving_while_a_reply_is_written_form_one_batch() -> None:
+    async def test(servicer: DrafterServicer, drafter: RecordingDrafter) -> None:
+        first, second = FakeStream(servicer, gated=True), FakeStream(servicer)
+        first.open("a")
+        first.step("a", 0, [], 5, len(PROMPT))
+        await settle()
+        assert drafter.batches == [(first.task.get_name(), ["a"])] and not first.replies  # its reply is held
+        second.open("b")
+        second.open("c")
+        second.step("b", 0, [], 5, len(PROMPT))
+        second.step("c", 0, [], 6, len(PROMPT))
+        second.step("b", 1, [5], 7, len(PROMPT))  # absorbs b's queued step 0
+        await settle()
+        assert drafter.batches[1:] == [(SCHEDULER, ["b", "c"])]
+        replies = second.by_session()
+        assert len(second.replies) == 2 and replies["b"].tree.step == 1 and replies["c"].tree.step == 0
+        assert replies["b"].tree.tree.tokens == list(reference_tree(PROMPT + [5, 7]))
+        first.release()
+        await settle()
+        assert [r.tree.step for r in first.replies] == [0]
+        second.end()
+        first.end()
+        await asyncio.gather(first.task, second.task)
+    run(test)
+
+
+def test_errors_stay_with_their_session_on_both_paths() -> None:
+    async def test(servicer: DrafterServicer, drafter: RecordingDrafter) -> None:
+        malformed = common_pb2.Tensor(dtype="float32", shape=[2], data=b"abc")
+        stream = FakeStream(servicer)
+        stream.step("ghost", 3, [], 5, 0)  # idle: the reader drafts it and answers NOT_FOUND itself
+        stream.step("ghost", 4, [], 5, 0, features=malformed)
+        stream.open("bad", features=malformed)
+        await settle()
+        assert [error_code(r) for r in stream.replies] == [grpc.StatusCode.NOT_FOUND,
+                                                           grpc.StatusCode.INVALID_ARGUMENT,
+                                                           grpc.StatusCode.INVALID_ARGUMENT]
+        assert [r.error.step for r in stream.replies] == [3, 4, 0]
+
+        busy, batched = FakeStream(servicer, gated=True), FakeStream(servicer)
+        busy.open("a")
+        busy.step("a", 0, [], 5, len(PROMPT))
+        for session_id in ("y", "z", "w"):
+            batched.open(session_id)
+        batched.step("ghost", 1, [], 5, 0)
+        batched.step("y", 1, [], 5, len(PROMPT) + 3)  # past the history
+        batched.step("z", 1, [], 5, len(PROMPT))  # the drafter raises
+        batched.step("w", 1, [], 5, len(PROMPT))
+        await settle()
+        assert drafter.batches[-5] == (SCHEDULER, ["ghost", "y", "z", "w"])  # then one at a time
+        replies = batched.by_session()
+        assert {s: error_code(replies[s]) for s in ("ghost", "y", "z")} == {
+            "ghost": grpc.StatusCode.NOT_FOUND, "y": grpc.StatusCode.INVALID_ARGUMENT,
+            "z": grpc.StatusCode.INTERNAL}
+        assert replies["w"].tree.tree.tokens == list(reference_tree(PROMPT + [5]))
+        busy.release()
+        for each in (stream, busy, batched):
+            each.end()
+        await asyncio.gather(stream.task, busy.task, batched.task)
+    run(test)
+
+
+def test_an_ended_stream_sends_its_replies_then_closes_its_sessions() -> None:
+    async def test(servicer: DrafterServicer, drafter: RecordingDrafter) -> None:
+        busy, ending = FakeStream(servicer, gated=True), FakeStream(servicer, gated=True)
+        busy.open("a")
+        busy.step("a", 0, [], 5, len(PROMPT))
+        ending.open("b")
+        ending.open("c")
+        ending.step("b", 0, [], 5, len(PROMPT))
+        await settle()
+        assert drafter.batches[-1] == (SCHEDULER, ["b"]) and not ending.replies  # its reply is held
+        ending.end()
+        await settle()
+        assert not ending.task.done()
+        ending.release()
+        await ending.task
+        assert [r.tree.step for r in ending.replies] == [0]
+        assert "b" not in drafter.ngram and "c" not in drafter.ngram and servicer.open_ids == {"a"}
+        busy.release()
+        busy.end()
+        await busy.task
+        assert not servicer.open_ids and not servicer.streams
+    run(test)
+
+
+def test_the_verifier_pool_drafts_over_grpc_and_its_sessions_close_with_the_stream() -> None:
+    async def main() -> None:
+        drafter = RecordingDrafter()
+        servicer = DrafterServicer(drafter, "r0")
+        server = grpc.aio.server()
+        drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        servicer.start()
+        await server.start()
+        pool = DrafterPool(f"127.0.0.1:{port}", VerifierMetrics(), timeout_s=5.0)
+        try:
+            await pool.refresh()
+            pool.attach("s", lambda: PROMPT, None)
+            history = list(PROMPT)
+            for step, (committed, bonus) in enumerate([([], 5), ([5], 6), ([6], 7)]):
+                tree = await pool.draft("s", step, committed, None, bonus, len(PROMPT) + max(0, step - 1), 8)
+                history.append(bonus)
+                assert tree.tokens == reference_tree(history)
+            assert SCHEDULER not in {name for name, _ in drafter.batches} and len(drafter.batches) == 3
+            assert servicer.open_ids == {"s"}
+            await pool.stop()
+            for _ in range(100):
+                if not servicer.open_ids:
+                    break
+                await asyncio.sleep(0.01)
+            assert not servicer.open_ids and "s" not in drafter.ngram
+        finally:
+            await pool.stop()
+            servicer.task.cancel()
+            await server.stop(None)
+    asyncio.run(main())
