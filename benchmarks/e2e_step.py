@@ -163,6 +163,31 @@ def attention_alone(engine: Engine, block: BlockSpec) -> float:
     return triton.testing.do_bench_cudagraph(run, return_mode="median")
 
 
+def kernel_group(name: str) -> str:
+    """A readable bucket for a kernel name: cuBLAS GEMMs under one name, Triton kernels by their own."""
+    if any(tag in name for tag in ("gemm", "nvjet", "cutlass", "xmma")):
+        return "GEMM (cuBLAS)"
+    return name.split("(")[0][:48]
+
+
+def kernel_breakdown(fn, steps: int = 5) -> dict[str, float]:
+    """GPU time per step of each kernel group fn() launches (CUDA-graph replays included), in ms."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        synchronize()
+    totals: dict[str, float] = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            group = kernel_group(event.name)
+            totals[group] = totals.get(group, 0.0) + event.time_range.elapsed_us() / 1e3 / steps
+    return dict(sorted(totals.items(), key=lambda item: -item[1]))
+
+
 def measure(engine: Engine, hf, drafter: DFlashTreeDrafter, context: int, budget: int, floor: dict) -> dict:
     generator = torch.Generator().manual_seed(context + budget)
     config = engine.model_config
@@ -203,6 +228,8 @@ def measure(engine: Engine, hf, drafter: DFlashTreeDrafter, context: int, budget
            "verify_eager_ms": timed(verify_eager),
            "attention_ms": attention_alone(engine, block) * config.num_layers,
            "engine_step_ms": timed(engine_step)}
+    if engine.device.type == "cuda":
+        row["verify_kernels_ms"] = kernel_breakdown(verify_only)
     try:
         row["draft_and_step_ms"] = timed(whole_step)
     except Exception as error:  # NOTE: keep the verify numbers when the drafter fails; the table says why
@@ -237,7 +264,15 @@ def markdown(result: dict) -> str:
                      f"{r['verify_vs_roofline']:.2f}x | {r['verify_eager_ms']:.2f} | {r['attention_ms']:.2f} | "
                      f"{r['engine_step_ms']:.2f} | {r['draft_and_step_ms']:.2f} | "
                      f"{r['hf_reference_ms']:.1f} | {r['hf_vs_verify']:.1f}x |")
-    return "\n".join(lines) + "\n\nTimes in ms, mean over repeated steps with the GPU synchronised per measurement.\n"
+    lines += ["", "Times in ms, mean over repeated steps with the GPU synchronised per measurement.", ""]
+    for r in result["rows"]:
+        kernels = r.get("verify_kernels_ms")
+        if kernels:
+            busy = sum(kernels.values())
+            lines += [f"Verify step at {r['context'] // 1024}k, budget {r['budget']}: GPU time per kernel "
+                      f"(profiler, {busy:.2f} ms busy of {r['verify_ms']:.2f} ms)", "", "| kernel | ms |", "|---|---|"]
+            lines += [f"| `{name}` | {ms:.3f} |" for name, ms in kernels.items()] + [""]
+    return "\n".join(lines)
 
 
 def main() -> None:
