@@ -25,6 +25,9 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 LOG2E = 1.4426950408889634
+# Two 64-key blocks per split at least: under the engine's graph bound, 1k keys at T=64 on an H200 take 18.6 us
+# against 20.9 us with one-block splits (benchmarks/results/verify_attention_run4.md); long prefixes never reach it.
+MIN_SPLIT_BLOCKS: tl.constexpr = tl.constexpr(2)
 
 
 @dataclass(frozen=True)
@@ -88,21 +91,23 @@ def plan_splits(
     """
     block_m = min(cfg.block_m, max(16, triton.next_power_of_2(rows)))
     num_m_blocks = triton.cdiv(rows, block_m)
-    kv_blocks = triton.cdiv(max_prefix_len, cfg.block_n)
+    chunks = triton.cdiv(triton.cdiv(max_prefix_len, cfg.block_n), MIN_SPLIT_BLOCKS.value)  # the most a prefix fills
     tiles = max(1, num_seqs * num_kv_heads * num_m_blocks)
     slots = multiprocessor_count(device) * cfg.programs_per_sm
-    num_splits = min(kv_blocks, max(1, slots // tiles))  # 0 only without any prefix: only the tree block
+    num_splits = min(chunks, max(1, slots // tiles))  # 0 only without any prefix: only the tree block
     return SplitPlan(block_m, num_m_blocks, num_splits, cfg.block_n)
 
 
 @triton.jit
 def split_chunk_len(prefix_len, num_splits, BLOCK_N: tl.constexpr):
-    """Prefix keys per split for one sequence: its KV blocks spread evenly over all `num_splits`.
+    """Prefix keys per split for one sequence: its KV blocks spread evenly over all `num_splits`, at least
+    MIN_SPLIT_BLOCKS each (a one-block chunk costs a partial's write and merge for little work).
 
     Splits [0, cdiv(prefix_len, chunk)) hold keys; later ones are empty. The prefix and merge kernels
     must agree on this, so both call it.
     """
-    return tl.maximum(tl.cdiv(tl.cdiv(prefix_len, BLOCK_N), tl.maximum(num_splits, 1)), 1) * BLOCK_N
+    blocks = tl.cdiv(tl.cdiv(prefix_len, BLOCK_N), tl.maximum(num_splits, 1))
+    return tl.maximum(blocks, MIN_SPLIT_BLOCKS) * BLOCK_N
 
 
 @triton.jit

@@ -19,7 +19,7 @@ from kernels.reference import (
     pack_tree_mask,
     verify_attention_reference,
 )
-from kernels.split_kv import SplitConfig, SplitPlan, default_config, plan_splits, prefix_partials
+from kernels.split_kv import MIN_SPLIT_BLOCKS, SplitConfig, SplitPlan, default_config, plan_splits, prefix_partials
 from kernels.verify_attention import hybrid_verify_attention
 
 GPU = torch.cuda.is_available()
@@ -186,7 +186,8 @@ def test_paged_decode_bound_above_lengths_interpreter():
 @cpu_only
 def test_prefix_chunks_spread_over_every_split_interpreter():
     """Under a bound far above the real lengths, split i of a sequence holds keys [i * c, (i + 1) * c),
-    c = cdiv(cdiv(len, block_n), num_splits) * block_n: the whole prefix spreads over all splits."""
+    c = max(cdiv(cdiv(len, block_n), num_splits), MIN_SPLIT_BLOCKS) * block_n: the prefix spreads over the
+    splits, two blocks to a split at least."""
     lens, trees, block_n, num_splits = [0, 37, 200, 1000], [3, 2, 4, 1], 16, 5
     case = verify_case(lens, trees, 4, 2, 32, 16, torch.float32, seed=11)
     plan = SplitPlan(block_m=16, num_m_blocks=1, num_splits=num_splits, block_n=block_n)
@@ -195,9 +196,9 @@ def test_prefix_chunks_spread_over_every_split_interpreter():
                                        case["prefix_lens"], case["cu_tree"], case["sm_scale"], plan, cfg)
     for b, n in enumerate(lens):
         lo, hi = int(case["cu_tree"][b]), int(case["cu_tree"][b + 1])
-        chunk = max(1, cdiv(cdiv(n, block_n), num_splits)) * block_n
+        chunk = max(MIN_SPLIT_BLOCKS.value, cdiv(cdiv(n, block_n), num_splits)) * block_n
         used = cdiv(n, chunk)
-        assert used == min(num_splits, cdiv(n, block_n))
+        assert used == min(num_splits, cdiv(n, MIN_SPLIT_BLOCKS.value * block_n))
         keys = gather_prefix(case["k_pages"], case["block_tables"][b], n).repeat_interleave(2, dim=1)
         values = gather_prefix(case["v_pages"], case["block_tables"][b], n).repeat_interleave(2, dim=1)
         for split in range(used):
