@@ -1,0 +1,46 @@
+"""The GPU benchmarks run rarely and on another machine: their CPU smoke modes run here, so a change that
+breaks a benchmark script shows in CI rather than on the GPU host."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_benchmark(script: str, *args: str) -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *args], cwd=ROOT, env=env, check=True,
+                   capture_output=True, timeout=300)
+
+
+def test_e2e_step_smoke_run_writes_its_table(tmp_path: Path) -> None:
+    run_benchmark("e2e_step.py", "--tiny", "--contexts", "64", "--budgets", "7", "--out-dir", str(tmp_path))
+    (row,) = json.loads((tmp_path / "e2e_step.json").read_text())["rows"]
+    assert (row["context"], row["budget"]) == (64, 7)
+    for key in ("verify_ms", "verify_eager_ms", "engine_step_ms", "draft_and_step_ms", "hf_reference_ms"):
+        assert math.isfinite(row[key]) and row[key] > 0, key
+    assert "| 0k | 7 |" in (tmp_path / "e2e_step.md").read_text()
+
+
+def test_grpc_overhead_smoke_run_matches_the_in_process_output(tmp_path: Path) -> None:
+    run_benchmark("grpc_overhead.py", "--repeats", "1", "--max-new-tokens", "16", "--out-dir", str(tmp_path))
+    result = json.loads((tmp_path / "grpc_overhead.json").read_text())
+    assert result["identical_outputs"] is True
+    assert result["steps"] > 0 and result["services_ms_per_step"] > 0
+
+
+def test_kernel_groups_put_cublas_under_one_name() -> None:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from e2e_step import kernel_group
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    assert kernel_group("nvjet_tst_128x64_64x8_1x2_h_bz_coopA_TNN") == "GEMM (cuBLAS)"
+    assert kernel_group("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize64x64x64") == "GEMM (cuBLAS)"
+    assert kernel_group("_prefix_partials_kernel") == "_prefix_partials_kernel"
