@@ -122,9 +122,12 @@ class Attention(nn.Module):
         if not x.is_cuda:
             return norm_rope(q, self.q_norm, cos, sin), norm_rope(k, self.k_norm, cos, sin), v
         k_out, v_out = kv_out or (torch.empty_like(k), torch.empty_like(v))
-        q_norm, k_norm = self.q_norm, self.k_norm
-        q = fused_ops().qkv_norm_rope(q, k, v, q_norm and q_norm.weight, k_norm and k_norm.weight,
-                                      q_norm.eps if q_norm else 0.0, cos, sin, k_out, v_out)
+        if self.q_norm is None:  # Llama: no q/k norms
+            q_weight = k_weight = None
+            eps = 0.0
+        else:
+            q_weight, k_weight, eps = self.q_norm.weight, self.k_norm.weight, self.q_norm.eps
+        q = fused_ops().qkv_norm_rope(q, k, v, q_weight, k_weight, eps, cos, sin, k_out, v_out)
         return q, k_out, v_out
 
     def query(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
