@@ -29,9 +29,9 @@ from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kernels import SplitConfig, hybrid_verify_attention  # noqa: E402
+from kernels.lse_merge import merge_partials  # noqa: E402
 from kernels.reference import pack_tree_mask  # noqa: E402
-from kernels.split_kv import default_config, plan_splits, prefix_partials  # noqa: E402
-from kernels.verify_attention import merge_partials  # noqa: E402
+from kernels.split_kv import attention_partials, default_config, plan_splits  # noqa: E402
 
 HQ, HKV, D = 32, 8, 128
 GROUP = HQ // HKV
@@ -265,17 +265,21 @@ def sweep(kv, gen: torch.Generator, configs: list[SplitConfig]) -> list[dict]:
 
 
 def stage_times(s: Session, gen: torch.Generator) -> dict:
-    """The split-KV prefix stage alone and the tree + merge stage alone, default launch shape."""
+    """Each launch alone, default launch shape: the partials stage with and without the tree split
+    (the variant that drops the tree block) and the log-sum-exp merge."""
     rows = GROUP * s.problem.tree_len
     k_pages, v_pages, table = s.paged(64, gen)
     cfg = default_config(rows, D)
     plan = plan_splits(1, HKV, rows, s.problem.prefix_len, s.q.device, cfg)
-    prefix = partial(prefix_partials, s.q, k_pages, v_pages, table, s.prefix_lens, s.cu_tree, SCALE, plan, cfg)
-    part_o, part_lse = prefix()
-    merge = partial(merge_partials, s.q, (s.tree_k, s.tree_v, s.tree_mask), s.cu_tree, s.prefix_lens, part_o,
-                    part_lse, SCALE, plan, HKV, s.problem.tree_len)
+    tree = (s.tree_k, s.tree_v, s.tree_mask)
+    prefix = partial(attention_partials, s.q, k_pages, v_pages, table, s.prefix_lens, s.cu_tree, SCALE, plan, cfg)
+    partials = partial(prefix, tree=tree, max_q_len=s.problem.tree_len)
+    part_o, part_lse = partials()
+    merge = partial(merge_partials, part_o, part_lse, s.cu_tree, s.prefix_lens, plan, True, s.problem.tree_len,
+                    s.q.dtype)
     return {"tree_len": s.problem.tree_len, "config": asdict(cfg), "num_splits": plan.num_splits,
-            "prefix_stage_ms": time_graph(prefix), "tree_merge_stage_ms": time_graph(merge)}
+            "prefix_stage_ms": time_graph(prefix), "partials_stage_ms": time_graph(partials),
+            "merge_stage_ms": time_graph(merge)}
 
 
 def stages(kv, gen: torch.Generator, lengths: tuple[int, ...] = (131072,),
@@ -320,7 +324,7 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="also time launch shapes and stages at 128k")
     parser.add_argument("--skip-slow", action="store_true", help="no dense-mask SDPA above 64k")
     parser.add_argument("--stages-only", action="store_true",
-                        help="only time the prefix stage and the tree + merge stage alone, at --lengths x --trees")
+                        help="time each launch alone (partials with, without the tree; merge) at --lengths x --trees")
     args = parser.parse_args()
     command = "python " + " ".join(sys.argv)
     torch.manual_seed(0)

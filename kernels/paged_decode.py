@@ -1,23 +1,23 @@
 """Paged decode attention: one query token per sequence, the same split-KV design as verify.
 
 A decode step is the verify problem with one query token, its own K/V already in the pages and no
-tree block, so it reuses both stages: `split_kv.prefix_partials` over the whole sequence, then the
-merge epilogue of `verify_attention` with the tree part compiled out.
+tree block, so it reuses both stages: `split_kv.attention_partials` over the whole sequence with the
+tree split compiled out, then `lse_merge.merge_partials`.
 """
 
 from __future__ import annotations
 
 import torch
 
+from kernels.lse_merge import merge_partials
 from kernels.split_kv import (
     SplitConfig,
+    attention_partials,
     check_host_bounds,
     check_paged_kv,
     default_config,
     plan_splits,
-    prefix_partials,
 )
-from kernels.verify_attention import merge_partials
 
 
 def paged_decode_attention(
@@ -43,5 +43,5 @@ def paged_decode_attention(
     cfg = cfg or default_config(q.shape[1] // num_kv_heads, q.shape[2])
     cu_q = torch.arange(num_seqs + 1, dtype=torch.int32, device=q.device)  # one token each
     plan = plan_splits(num_seqs, num_kv_heads, q.shape[1] // num_kv_heads, max_seq_len, q.device, cfg)
-    part_o, part_lse = prefix_partials(q, k_pages, v_pages, block_tables, seq_lens, cu_q, sm_scale, plan, cfg)
-    return merge_partials(q, None, cu_q, seq_lens, part_o, part_lse, sm_scale, plan, num_kv_heads, 1)
+    part_o, part_lse = attention_partials(q, k_pages, v_pages, block_tables, seq_lens, cu_q, sm_scale, plan, cfg)
+    return merge_partials(part_o, part_lse, cu_q, seq_lens, plan, False, 1, q.dtype)

@@ -1,11 +1,14 @@
-"""Flash-decoding over a paged KV prefix: the split-KV stage shared by verify and decode attention.
+"""Flash-decoding over a paged KV prefix plus the tree block: the partials stage of verify and decode.
 
-One program owns one (sequence, KV head, query block, prefix chunk). Its query tile packs every query
-head of the KV group with every query token of the sequence (row m = token * GROUP + head in group), so
-each K/V byte of the chunk is read once for all of them instead of once per query head. A chunk is a
-whole number of KV blocks read page by page (each K/V row is HEAD_DIM contiguous elements: coalesced);
-the prefix is fully visible, so only the sequence's last partial block is masked. Each program writes a
-normalised partial output and its log2-sum-exp; `verify_attention.merge_partials` folds them together.
+One program owns one (sequence, KV head, query block, split). Its query tile packs every query head of
+the KV group with every query token of the sequence (row m = token * GROUP + head in group), so each
+K/V byte is read once for all of them instead of once per query head. Splits [0, num_splits) are prefix
+chunks: whole numbers of KV blocks read page by page (each K/V row is HEAD_DIM contiguous elements:
+coalesced), fully visible, so only the sequence's last partial block is masked. With a tree, a few
+more programs per tile (TREE_BLOCK_M rows each) attend the tree block under its bit-packed ancestor
+mask and write partial `num_splits`, so the tree runs beside the prefix chunks in the same launch.
+Each program writes a normalised partial output and its log2-sum-exp; `lse_merge.merge_partials`
+folds them together.
 
 The host fixes only the split count (from host-side bounds, so a launch can be captured once in a CUDA
 graph); each sequence cuts its own prefix into that many chunks on the device (`split_chunk_len`), so
@@ -28,6 +31,7 @@ LOG2E = 1.4426950408889634
 # Two 64-key blocks per split at least: under the engine's graph bound, 1k keys at T=64 on an H200 take 18.6 us
 # against 20.9 us with one-block splits (benchmarks/results/verify_attention_run4.md); long prefixes never reach it.
 MIN_SPLIT_BLOCKS: tl.constexpr = tl.constexpr(2)
+TREE_BLOCK_M = 32  # query rows per tree program (see `_tree_partial`)
 
 
 @dataclass(frozen=True)
@@ -160,37 +164,91 @@ def _load_kv_block(
 
 
 @triton.jit
-def _prefix_partials_kernel(
-    q_ptr, k_src, v_src, block_tables_ptr, prefix_lens_ptr, cu_q_ptr,  # k_src/v_src: pages or descriptors
-    part_o_ptr, part_lse_ptr,  # [S, N, Hq, D] fp32, [S, N, Hq] fp32
-    qk_scale, num_splits,
-    stride_qn, stride_qh, stride_page, stride_slot, stride_kvh, stride_bt,
-    stride_ps, stride_pn, stride_ph, stride_ls, stride_ln,
-    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
+def _attend_tree_block(
+    q, acc, m_i, l_i,  # q: [BLOCK_M, D]; acc: [BLOCK_M, D] fp32; m_i, l_i: [BLOCK_M]
+    tree_k_ptr, tree_v_ptr, mask_rows, row_ok, q_start, q_len, t0, qk_scale, stride_tn,
+    HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    m_block = tl.program_id(0)
-    split = tl.program_id(1)
-    seq = tl.program_id(2) // NUM_KV_HEADS
-    kv_head = tl.program_id(2) % NUM_KV_HEADS
-    q_start = tl.load(cu_q_ptr + seq)
-    num_rows = (tl.load(cu_q_ptr + seq + 1) - q_start) * GROUP
-    prefix_len = tl.load(prefix_lens_ptr + seq)
-    chunk_len = split_chunk_len(prefix_len, num_splits, BLOCK_N)
-    kv_start = split * chunk_len
-    if m_block * BLOCK_M >= num_rows or kv_start >= prefix_len:
-        return
-    kv_end = tl.minimum(kv_start + chunk_len, prefix_len)
+    """Online-softmax step over tree tokens [t0, t0 + BLOCK_T) under the ancestor bits."""
+    cols = t0 + tl.arange(0, BLOCK_T)
+    col_ok = cols < q_len
+    dims = tl.arange(0, HEAD_DIM)
+    kv_rows = (q_start + cols) * stride_tn
+    k = tl.load(tree_k_ptr + kv_rows[:, None] + dims[None, :], mask=col_ok[:, None], other=0.0)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_T], unscaled
+    words = tl.load(mask_rows[:, None] + cols[None, :] // 32, mask=row_ok[:, None] & col_ok[None, :], other=0)
+    visible = ((words >> (cols[None, :] % 32)) & 1) != 0
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # NOTE: a row may see nothing in this block
+    p = tl.math.exp2(s * qk_scale - m_safe[:, None])
+    alpha = tl.math.exp2(m_i - m_safe)
+    v = tl.load(tree_v_ptr + kv_rows[:, None] + dims[None, :], mask=col_ok[:, None], other=0.0)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+    return acc, m_new, l_i * alpha + tl.sum(p, 1)
 
-    rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
-    token = q_start + rows // GROUP  # [BLOCK_M]
+
+@triton.jit
+def _query_tile(q_ptr, rows, q_start, kv_head, num_rows, stride_qn, stride_qh,
+                GROUP: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Query rows of one KV group (row = token * GROUP + head in group): the tile, its tokens, heads, validity."""
+    token = q_start + rows // GROUP
     head = kv_head * GROUP + rows % GROUP
     row_ok = rows < num_rows
     dims = tl.arange(0, HEAD_DIM)
     q = tl.load(q_ptr + token[:, None] * stride_qn + head[:, None] * stride_qh + dims[None, :],
                 mask=row_ok[:, None], other=0.0)
+    return q, token, head, row_ok
 
-    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+
+@triton.jit
+def _store_partial(part_o_ptr, part_lse_ptr, acc, m_i, l_i, split, token, head, row_ok,
+                   stride_ps, stride_pn, stride_ph, stride_ls, stride_ln, HEAD_DIM: tl.constexpr):
+    """The normalised partial output and its log2-sum-exp."""
+    dims = tl.arange(0, HEAD_DIM)
+    out_rows = split * stride_ps + token * stride_pn + head * stride_ph
+    tl.store(part_o_ptr + out_rows[:, None] + dims[None, :], acc / l_i[:, None], mask=row_ok[:, None])
+    tl.store(part_lse_ptr + split * stride_ls + token * stride_ln + head, m_i + tl.math.log2(l_i), mask=row_ok)
+
+
+@triton.jit
+def _tree_partial(
+    q_ptr, tree_k_ptr, tree_v_ptr, tree_mask_ptr, part_o_ptr, part_lse_ptr, m_block, sub, split, kv_head, q_start,
+    q_len, qk_scale, stride_qn, stride_qh, stride_tn, stride_th, stride_mn,
+    stride_ps, stride_pn, stride_ph, stride_ls, stride_ln,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, TREE_M: tl.constexpr,
+    BLOCK_T: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """One tree program: TREE_M rows of the tile attend their tree block under the ancestor bits. The tile's
+    rows spread over several such programs: the tree block's latency then hides under the prefix splits."""
+    rows = m_block * BLOCK_M + sub * TREE_M + tl.arange(0, TREE_M)
+    q, token, head, row_ok = _query_tile(q_ptr, rows, q_start, kv_head, q_len * GROUP, stride_qn, stride_qh,
+                                         GROUP, HEAD_DIM)
+    acc = tl.zeros([TREE_M, HEAD_DIM], dtype=tl.float32)
+    m_i = tl.full([TREE_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([TREE_M], dtype=tl.float32)
+    mask_rows = tree_mask_ptr + token * stride_mn
+    tree_k = tree_k_ptr + kv_head * stride_th
+    tree_v = tree_v_ptr + kv_head * stride_th
+    for t0 in range(0, q_len, BLOCK_T):
+        acc, m_i, l_i = _attend_tree_block(q, acc, m_i, l_i, tree_k, tree_v, mask_rows, row_ok, q_start,
+                                           q_len, t0, qk_scale, stride_tn, HEAD_DIM, BLOCK_T, DOT_PRECISION)
+    _store_partial(part_o_ptr, part_lse_ptr, acc, m_i, l_i, split, token, head, row_ok,
+                   stride_ps, stride_pn, stride_ph, stride_ls, stride_ln, HEAD_DIM)
+
+
+@triton.jit
+def _prefix_partial(
+    q_ptr, k_src, v_src, table, part_o_ptr, part_lse_ptr, m_block, split, kv_head, q_start, num_rows,
+    kv_start, kv_end, qk_scale, stride_qn, stride_qh, stride_page, stride_slot, stride_kvh,
+    stride_ps, stride_pn, stride_ph, stride_ls, stride_ln,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
+):
+    """A prefix split: the tile's rows attend keys [kv_start, kv_end), all visible."""
+    rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    q, token, head, row_ok = _query_tile(q_ptr, rows, q_start, kv_head, num_rows, stride_qn, stride_qh,
+                                         GROUP, HEAD_DIM)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -203,11 +261,47 @@ def _prefix_partials_kernel(
         k, v, valid = _load_kv_block(k_src, v_src, table, kv_head, start, kv_end, stride_page, stride_slot,
                                      stride_kvh, PAGE_SIZE, BLOCK_N, HEAD_DIM, True, USE_TMA)
         acc, m_i, l_i = _attend_kv_block(q, acc, m_i, l_i, k, v, valid, qk_scale, True, DOT_PRECISION)
+    _store_partial(part_o_ptr, part_lse_ptr, acc, m_i, l_i, split, token, head, row_ok,
+                   stride_ps, stride_pn, stride_ph, stride_ls, stride_ln, HEAD_DIM)
 
-    out_rows = split * stride_ps + token * stride_pn + head * stride_ph
-    tl.store(part_o_ptr + out_rows[:, None] + dims[None, :], acc / l_i[:, None], mask=row_ok[:, None])
-    lse_rows = split * stride_ls + token * stride_ln + head
-    tl.store(part_lse_ptr + lse_rows, m_i + tl.math.log2(l_i), mask=row_ok)
+
+@triton.jit
+def _partials_kernel(
+    q_ptr, k_src, v_src, block_tables_ptr, prefix_lens_ptr, cu_q_ptr,  # k_src/v_src: pages or descriptors
+    tree_k_ptr, tree_v_ptr, tree_mask_ptr,  # [N, Hkv, D] x2, [N, W] int32 (unused without HAS_TREE)
+    part_o_ptr, part_lse_ptr,  # [S, N, Hq, D] fp32, [S, N, Hq] fp32
+    qk_scale, num_splits,
+    stride_qn, stride_qh, stride_page, stride_slot, stride_kvh, stride_bt, stride_tn, stride_th, stride_mn,
+    stride_ps, stride_pn, stride_ph, stride_ls, stride_ln,
+    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TREE_M: tl.constexpr, BLOCK_T: tl.constexpr,
+    HAS_TREE: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
+):
+    m_block = tl.program_id(0)
+    split = tl.program_id(1)
+    seq = tl.program_id(2) // NUM_KV_HEADS
+    kv_head = tl.program_id(2) % NUM_KV_HEADS
+    q_start = tl.load(cu_q_ptr + seq)
+    q_len = tl.load(cu_q_ptr + seq + 1) - q_start
+    prefix_len = tl.load(prefix_lens_ptr + seq)
+    chunk_len = split_chunk_len(prefix_len, num_splits, BLOCK_N)
+    kv_start = split * chunk_len
+    is_tree = (split >= num_splits) & HAS_TREE  # tree programs: every TREE_M rows of the tile write one partial
+    first_row = m_block * BLOCK_M + tl.where(is_tree, (split - num_splits) * TREE_M, 0)
+    if (first_row >= q_len * GROUP) | ((kv_start >= prefix_len) & ~is_tree):
+        return
+    if is_tree:
+        _tree_partial(q_ptr, tree_k_ptr, tree_v_ptr, tree_mask_ptr, part_o_ptr, part_lse_ptr, m_block,
+                      split - num_splits, num_splits, kv_head, q_start, q_len, qk_scale, stride_qn, stride_qh,
+                      stride_tn, stride_th, stride_mn, stride_ps, stride_pn, stride_ph, stride_ls, stride_ln,
+                      GROUP, HEAD_DIM, BLOCK_M, TREE_M, BLOCK_T, DOT_PRECISION)
+    else:
+        table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+        kv_end = tl.minimum(kv_start + chunk_len, prefix_len)
+        _prefix_partial(q_ptr, k_src, v_src, table, part_o_ptr, part_lse_ptr, m_block, split, kv_head, q_start,
+                        q_len * GROUP, kv_start, kv_end, qk_scale, stride_qn, stride_qh, stride_page, stride_slot,
+                        stride_kvh, stride_ps, stride_pn, stride_ph, stride_ls, stride_ln,
+                        GROUP, HEAD_DIM, PAGE_SIZE, BLOCK_M, BLOCK_N, DOT_PRECISION, USE_TMA)
 
 
 @functools.cache
@@ -231,7 +325,7 @@ def tma_descriptors(k_pages: torch.Tensor, v_pages: torch.Tensor, block_n: int):
     return tuple(TensorDescriptor(pages, shape, strides, [block_n, head_dim]) for pages in (k_pages, v_pages))
 
 
-def prefix_partials(
+def attention_partials(
     q: torch.Tensor,  # [N, Hq, D]
     k_pages: torch.Tensor,  # [num_pages, P, Hkv, D]
     v_pages: torch.Tensor,  # [num_pages, P, Hkv, D]
@@ -241,27 +335,37 @@ def prefix_partials(
     sm_scale: float,
     plan: SplitPlan,
     cfg: SplitConfig,
-) -> tuple[torch.Tensor, torch.Tensor]:  # [S, N, Hq, D] fp32, [S, N, Hq] fp32
-    """Launch the split-KV stage; the caller has checked the inputs (see `check_paged_kv`)."""
+    tree: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,  # tree_k, tree_v [N, Hkv, D]; mask [N, W]
+    max_q_len: int = 1,
+) -> tuple[torch.Tensor, torch.Tensor]:  # [S, N, Hq, D] fp32, [S, N, Hq] fp32; S = splits (+ 1 with a tree)
+    """Launch the partials stage; the caller has checked the inputs (see `check_paged_kv`).
+
+    `max_q_len` bounds the tree size of any sequence (it sizes the tree's key blocks).
+    """
     num_tokens, num_q_heads, head_dim = q.shape
     page_size, num_kv_heads = k_pages.shape[1], k_pages.shape[2]
-    part_o = q.new_empty(plan.num_splits, num_tokens, num_q_heads, head_dim, dtype=torch.float32)
-    part_lse = q.new_empty(plan.num_splits, num_tokens, num_q_heads, dtype=torch.float32)
-    if plan.num_splits == 0 or num_tokens == 0:
+    num_partials = plan.num_splits + (tree is not None)
+    part_o = q.new_empty(num_partials, num_tokens, num_q_heads, head_dim, dtype=torch.float32)
+    part_lse = q.new_empty(num_partials, num_tokens, num_q_heads, dtype=torch.float32)
+    if num_partials == 0 or num_tokens == 0:
         return part_o, part_lse
-    grid = (plan.num_m_blocks, plan.num_splits, block_tables.shape[0] * num_kv_heads)
+    tree_m = min(plan.block_m, TREE_BLOCK_M)
+    tree_programs = plan.block_m // tree_m if tree is not None else 0
+    grid = (plan.num_m_blocks, plan.num_splits + tree_programs, block_tables.shape[0] * num_kv_heads)
     descriptors = tma_descriptors(k_pages, v_pages, plan.block_n) if cfg.tma else None
     k_src, v_src = descriptors or (k_pages, v_pages)
-    _prefix_partials_kernel[grid](
-        q, k_src, v_src, block_tables, prefix_lens, cu_q, part_o, part_lse,
+    tree_k, tree_v, tree_mask = tree if tree is not None else (q, q, cu_q.view(-1, 1))
+    _partials_kernel[grid](
+        q, k_src, v_src, block_tables, prefix_lens, cu_q, tree_k, tree_v, tree_mask, part_o, part_lse,
         sm_scale * LOG2E, plan.num_splits,
         q.stride(0), q.stride(1), k_pages.stride(0), k_pages.stride(1), k_pages.stride(2),
-        block_tables.stride(0), part_o.stride(0), part_o.stride(1), part_o.stride(2),
-        part_lse.stride(0), part_lse.stride(1),
+        block_tables.stride(0), tree_k.stride(0), tree_k.stride(1), tree_mask.stride(0),
+        part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
         NUM_KV_HEADS=num_kv_heads, GROUP=num_q_heads // num_kv_heads, HEAD_DIM=head_dim,
-        PAGE_SIZE=page_size, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, DOT_PRECISION=dot_precision(q),
-        USE_TMA=descriptors is not None, num_warps=cfg.num_warps if plan.block_m >= 64 else 4,
-        num_stages=cfg.num_stages,
+        PAGE_SIZE=page_size, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, TREE_M=tree_m,
+        BLOCK_T=max(16, min(64, triton.next_power_of_2(max_q_len))), HAS_TREE=tree is not None,
+        DOT_PRECISION=dot_precision(q), USE_TMA=descriptors is not None,
+        num_warps=cfg.num_warps if plan.block_m >= 64 else 4, num_stages=cfg.num_stages,
     )
     return part_o, part_lse
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from kernels.commit_kv import commit_kv
+from kernels.lse_merge import MAX_BLOCK_S, merge_partials
 from kernels.paged_decode import paged_decode_attention
 from kernels.reference import (
     commit_kv_reference,
@@ -19,7 +20,7 @@ from kernels.reference import (
     pack_tree_mask,
     verify_attention_reference,
 )
-from kernels.split_kv import MIN_SPLIT_BLOCKS, SplitConfig, SplitPlan, default_config, plan_splits, prefix_partials
+from kernels.split_kv import MIN_SPLIT_BLOCKS, SplitConfig, SplitPlan, attention_partials, default_config, plan_splits
 from kernels.verify_attention import hybrid_verify_attention
 
 GPU = torch.cuda.is_available()
@@ -27,7 +28,8 @@ DEVICE = torch.device("cuda" if GPU else "cpu")
 needs_gpu = pytest.mark.skipif(not GPU, reason="needs a CUDA device")
 cpu_only = pytest.mark.skipif(GPU, reason="the interpreter cases run on CPU machines")
 # NOTE: the interpreter also computes the padding rows of a tile, where 0/0 is harmless and never stored.
-pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+pytestmark = [pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning"),
+              pytest.mark.filterwarnings("ignore:divide by zero encountered:RuntimeWarning")]
 TOL = {torch.float32: (1e-4, 1e-4), torch.float16: (3e-3, 1e-2), torch.bfloat16: (1.5e-2, 2e-2)}
 
 
@@ -192,7 +194,7 @@ def test_prefix_chunks_spread_over_every_split_interpreter():
     case = verify_case(lens, trees, 4, 2, 32, 16, torch.float32, seed=11)
     plan = SplitPlan(block_m=16, num_m_blocks=1, num_splits=num_splits, block_n=block_n)
     cfg = small_config(block_m=16, block_n=block_n)
-    part_o, part_lse = prefix_partials(case["q"], case["k_pages"], case["v_pages"], case["block_tables"],
+    part_o, part_lse = attention_partials(case["q"], case["k_pages"], case["v_pages"], case["block_tables"],
                                        case["prefix_lens"], case["cu_tree"], case["sm_scale"], plan, cfg)
     for b, n in enumerate(lens):
         lo, hi = int(case["cu_tree"][b]), int(case["cu_tree"][b + 1])
@@ -208,6 +210,31 @@ def test_prefix_chunks_spread_over_every_split_interpreter():
             torch.testing.assert_close(part_o[split, lo:hi], want, atol=1e-4, rtol=1e-4)
             lse = scores.logsumexp(-1).transpose(0, 1) * 1.4426950408889634  # log2 domain, [T, Hq]
             torch.testing.assert_close(part_lse[split, lo:hi], lse, atol=1e-4, rtol=1e-4)
+
+
+def test_merge_folds_only_written_partials_across_tiles():
+    """More splits than one merge tile holds; a sequence with no prefix has only its tree partial, and
+    partials of splits that held no keys (never written: NaN here) are skipped, not folded in."""
+    num_splits, block_n, hq, d = MAX_BLOCK_S + 6, 16, 3, 32
+    lens = [0, MIN_SPLIT_BLOCKS.value * block_n * num_splits + 5, 100]  # no prefix, every split, 4 splits
+    trees = [2, 3, 1]
+    gen = torch.Generator().manual_seed(3)
+    part_o = torch.randn(num_splits + 1, sum(trees), hq, d, generator=gen)
+    part_lse = 4 * torch.randn(num_splits + 1, sum(trees), hq, generator=gen)
+    cu_q = torch.tensor([0, 2, 5, 6], dtype=torch.int32)
+    want = torch.empty(sum(trees), hq, d)
+    for b, n in enumerate(lens):
+        chunk = max(MIN_SPLIT_BLOCKS.value, cdiv(cdiv(n, block_n), num_splits)) * block_n
+        used = [*range(min(cdiv(n, chunk), num_splits)), num_splits]
+        rows = slice(int(cu_q[b]), int(cu_q[b + 1]))
+        unused = [split for split in range(num_splits) if split not in used]
+        part_o[unused, rows], part_lse[unused, rows] = float("nan"), float("nan")
+        weights = torch.softmax(part_lse[used, rows] * 0.6931471805599453, dim=0)  # log2 -> natural log
+        want[rows] = (weights[..., None] * part_o[used, rows]).sum(0)
+    plan = SplitPlan(block_m=16, num_m_blocks=1, num_splits=num_splits, block_n=block_n)
+    out = merge_partials(part_o.to(DEVICE), part_lse.to(DEVICE), cu_q.to(DEVICE),
+                         torch.tensor(lens, dtype=torch.int32, device=DEVICE), plan, True, max(trees), torch.float32)
+    torch.testing.assert_close(out.cpu(), want, atol=1e-5, rtol=1e-5)
 
 
 def check_one_plan_many_lengths(lens_per_replay: list[list[int]], trees: list[int], bound: int,
