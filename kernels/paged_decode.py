@@ -39,6 +39,8 @@ def paged_decode_attention(
     check_host_bounds(sm_scale, max_seq_len)
     if q.shape[0] != block_tables.shape[0]:
         raise ValueError("paged decode takes one query token per sequence")
+    if max_seq_len < 1:
+        raise ValueError("max_seq_len must be >= 1: seq_lens count the query token itself")
     num_seqs, num_kv_heads = q.shape[0], k_pages.shape[2]
     cfg = cfg or default_config(q.shape[1] // num_kv_heads, q.shape[2])
     cu_q = torch.arange(num_seqs + 1, dtype=torch.int32, device=q.device)  # one token each

@@ -298,6 +298,10 @@ def test_wrappers_reject_bad_inputs():
         hybrid_verify_attention(**case, max_prefix_len=20, max_tree_len=40)
     with pytest.raises(ValueError, match="dtype"):
         hybrid_verify_attention(**{**case, "q": case["q"].float()}, max_prefix_len=20, max_tree_len=3)
+    q = case["q"][:1]
+    with pytest.raises(ValueError, match="max_seq_len"):
+        paged_decode_attention(q, case["k_pages"], case["v_pages"], case["block_tables"], case["prefix_lens"],
+                               case["sm_scale"], 0)
 
 
 GPU_VERIFY = [
