@@ -164,8 +164,9 @@ def attention_alone(engine: Engine, block: BlockSpec) -> float:
 
 
 def kernel_group(name: str) -> str:
-    """A readable bucket for a kernel name: cuBLAS GEMMs under one name, Triton kernels by their own."""
-    if any(tag in name for tag in ("gemm", "nvjet", "cutlass", "xmma")):
+    """A readable bucket for a kernel name: cuBLAS GEMMs under one name, Triton kernels (named after their
+    Python function, `_..._kernel`) by their own."""
+    if not name.startswith("_") and any(tag in name for tag in ("gemm", "nvjet", "cutlass", "xmma")):
         return "GEMM (cuBLAS)"
     return name.split("(")[0][:48]
 

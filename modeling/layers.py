@@ -19,6 +19,27 @@ def fused_ops():
     return fused_layer_ops
 
 
+def skinny_gemm():
+    """The Triton GEMM for few-row inputs, used on CUDA tensors (Triton loads only there)."""
+    from kernels import skinny_gemm
+
+    return skinny_gemm
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, through the skinny-M GEMM when x is a CUDA step's few rows (it streams the weight faster)."""
+    if x.is_cuda and skinny_gemm().fits(x, weight):
+        return skinny_gemm().linear(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+class Linear(nn.Linear):
+    """nn.Linear (same parameters and checkpoint names) computed by `linear`."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
+
 class LayerAttention(Protocol):
     """The attention of one layer over whatever KV state the caller keeps (pages, drafter cache)."""
 
@@ -61,7 +82,7 @@ class FusedLinear(nn.Module):
     The checkpoint's weights become views of the fused matrix, so names, loading and memory are unchanged;
     the fused tensors are non-persistent buffers, so `.to()` moves them and state dicts never see them."""
 
-    def __init__(self, *linears: nn.Linear):
+    def __init__(self, *linears: Linear):
         super().__init__()
         self.register_buffer("weight", torch.cat([linear.weight.detach() for linear in linears]), persistent=False)
         has_bias = linears[0].bias is not None
@@ -76,23 +97,30 @@ class FusedLinear(nn.Module):
             start += size
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return F.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
+        return linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
 
 
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         h, i, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
-        self.gate_proj = nn.Linear(h, i, bias=bias)
-        self.up_proj = nn.Linear(h, i, bias=bias)
-        self.down_proj = nn.Linear(i, h, bias=bias)
+        self.gate_proj = Linear(h, i, bias=bias)
+        self.up_proj = Linear(h, i, bias=bias)
+        self.down_proj = Linear(i, h, bias=bias)
         self.gate_up: FusedLinear | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x) if self.gate_up is not None else (self.gate_proj(x), self.up_proj(x))
+        return self.down_proj(self.activation(x))
+
+    def activation(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate(x)) * up(x): one fused kernel for a CUDA step's few rows, else the GEMM then the product."""
+        fused = self.gate_up
+        if x.is_cuda and fused is not None and skinny_gemm().fits(x, fused.weight, gated=True):
+            return skinny_gemm().silu_mul_linear(x, fused.weight, fused.bias)
+        gate, up = fused(x) if fused is not None else (self.gate_proj(x), self.up_proj(x))
         if x.is_cuda:
-            return self.down_proj(fused_ops().silu_mul(gate, up))
-        return self.down_proj(F.silu(gate) * up)
+            return fused_ops().silu_mul(gate, up)
+        return F.silu(gate) * up
 
 
 class Attention(nn.Module):
@@ -102,10 +130,10 @@ class Attention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         h, bias = config.hidden_size, config.attention_bias
-        self.q_proj = nn.Linear(h, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=False)
+        self.q_proj = Linear(h, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = Linear(self.num_heads * self.head_dim, h, bias=False)
         if config.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)

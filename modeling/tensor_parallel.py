@@ -19,6 +19,7 @@ from torch import nn
 
 from modeling.checkpoint import load_weights
 from modeling.config import ModelConfig
+from modeling.layers import Linear, linear
 from modeling.target import CausalLM
 
 Range = tuple[int, int]  # [start, end)
@@ -103,12 +104,12 @@ def weight_share(config: ModelConfig, shard: RankShard) -> float:
     return params(local) / params(config)
 
 
-class RowParallelLinear(nn.Linear):
+class RowParallelLinear(Linear):
     """Input features split across ranks: the partial products are summed by one all-reduce, then the bias
     (held whole by every rank) is added once."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x, self.weight)
+        out = linear(x, self.weight)
         dist.all_reduce(out)
         return out if self.bias is None else out + self.bias
 

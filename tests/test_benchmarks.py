@@ -44,3 +44,4 @@ def test_kernel_groups_put_cublas_under_one_name() -> None:
     assert kernel_group("nvjet_tst_128x64_64x8_1x2_h_bz_coopA_TNN") == "GEMM (cuBLAS)"
     assert kernel_group("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize64x64x64") == "GEMM (cuBLAS)"
     assert kernel_group("_partials_kernel") == "_partials_kernel"
+    assert kernel_group("_skinny_gemm_kernel") == "_skinny_gemm_kernel"
