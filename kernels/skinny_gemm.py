@@ -1,14 +1,17 @@
-"""y = x @ w.T (+ bias) for the few rows of a verify or decode step, streaming w at copy bandwidth.
+"""y = x @ w.T (+ bias) for the few rows of a verify or decode step: one streaming pass over w.
 
-With 1-32 rows a projection is one pass over its weight matrix. cuBLAS leaves the Q/K/V, O and down
-shapes of an 8B model at 2.4-3.4 TB/s on an H200 (benchmarks/results/skinny_gemm.md). Here the weight
-tile is the wide side of the MMA (swap-AB: the accumulator is [BLOCK_N, BLOCK_M]) and each program
-streams its own rows of w through a four-deep load pipeline. The gated form computes the MLP's
+With 1-32 rows a projection is bound by reading its weight matrix. cuBLAS reads the Q/K/V, O and down
+weights of an 8B model at 2.2-3.4 TB/s on an H200, this kernel at 2.5-3.6 (gate/up 3.9-4.0 against 3.8-4.0;
+benchmarks/results/skinny_gemm.md); a fixed ~4 us of ramp-up and tail per launch keeps both below the
+4.2 TB/s copy rate. Here the weight tile is the wide side of the MMA (swap-AB: the accumulator is
+[BLOCK_N, BLOCK_M]) and each program streams its own rows of w through a four-deep load pipeline, without
+split-K (it gained nothing at these shapes). The gated form computes the MLP's
 gate and up tiles side by side and writes silu(gate) * up, so the [rows, 2I] intermediate and the SiLU
 kernel disappear.
 
-Every output row is computed alone, with the same reduction order whatever the row count up to
-BLOCK_M, so a row's result does not depend on how many rows share the call.
+Every output row is computed alone, in the same reduction order for any row count that maps to the
+same BLOCK_M, so up to 16 rows a row's result does not depend on how many rows share the call
+(tests/test_skinny_gemm.py checks 1 row against 16 bit for bit).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-MAX_ROWS = 32  # from 64 rows on cuBLAS is as fast (benchmarks/results/skinny_gemm.md)
+MAX_ROWS = 32  # at 64 rows cuBLAS is faster (x is re-read once per weight tile; skinny_gemm.md)
 _STAGES = 4
 
 
