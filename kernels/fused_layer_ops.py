@@ -126,21 +126,26 @@ def _qkv_norm_rope_kernel(
     num_heads, num_kv_heads,
     stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_cn,
     stride_qon, stride_qoh, stride_kon, stride_koh, stride_von, stride_voh,
-    HALF: tl.constexpr, Q_HEADS_P2: tl.constexpr, KV_HEADS_P2: tl.constexpr, NORM: tl.constexpr,
+    HALF: tl.constexpr, NORM: tl.constexpr,
 ):
-    """One token's q and k heads normalised and rotated, and its v heads copied: a layer's whole Q/K/V
-    epilogue in one launch, with K and V written straight to where attention reads them."""
+    """One head of one token: a q head or a k head normalised and rotated, or a v head copied. The layer's
+    whole Q/K/V epilogue is one launch, with K and V written straight to where attention reads them; one
+    program per head keeps a verify step's few tokens from running as a few long programs."""
     token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
     cos, sin = cos_ptr + token * stride_cn, sin_ptr + token * stride_cn
-    _norm_rope_heads(q_ptr + token * stride_qn, stride_qh, q_weight_ptr, eps, cos, sin,
-                     q_out_ptr + token * stride_qon, stride_qoh, num_heads, HALF, Q_HEADS_P2, NORM)
-    _norm_rope_heads(k_ptr + token * stride_kn, stride_kh, k_weight_ptr, eps, cos, sin,
-                     k_out_ptr + token * stride_kon, stride_koh, num_kv_heads, HALF, KV_HEADS_P2, NORM)
-    heads = tl.arange(0, KV_HEADS_P2)[:, None]
-    dims = tl.arange(0, 2 * HALF)[None, :]
-    ok = heads < num_kv_heads
-    v = tl.load(v_ptr + token * stride_vn + heads * stride_vh + dims, mask=ok)
-    tl.store(v_out_ptr + token * stride_von + heads * stride_voh + dims, v, mask=ok)
+    if head < num_heads:
+        _norm_rope_heads(q_ptr + token * stride_qn + head * stride_qh, stride_qh, q_weight_ptr, eps, cos, sin,
+                         q_out_ptr + token * stride_qon + head * stride_qoh, stride_qoh, 1, HALF, 1, NORM)
+    elif head < num_heads + num_kv_heads:
+        head -= num_heads
+        _norm_rope_heads(k_ptr + token * stride_kn + head * stride_kh, stride_kh, k_weight_ptr, eps, cos, sin,
+                         k_out_ptr + token * stride_kon + head * stride_koh, stride_koh, 1, HALF, 1, NORM)
+    else:
+        head -= num_heads + num_kv_heads
+        dims = tl.arange(0, 2 * HALF)
+        v = tl.load(v_ptr + token * stride_vn + head * stride_vh + dims)
+        tl.store(v_out_ptr + token * stride_von + head * stride_voh + dims, v)
 
 
 def qkv_norm_rope(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: torch.Tensor | None,
@@ -159,13 +164,12 @@ def qkv_norm_rope(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: t
         raise ValueError("head_dim must be contiguous")
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if num_tokens:
-        _qkv_norm_rope_kernel[(num_tokens,)](
+        _qkv_norm_rope_kernel[(num_tokens, num_heads + 2 * num_kv_heads)](
             q, k, v, q_weight if q_weight is not None else q, k_weight if k_weight is not None else q, cos, sin,
             q_out, k_out, v_out, eps, num_heads, num_kv_heads,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
             q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1), v_out.stride(0), v_out.stride(1),
-            HALF=head_dim // 2, Q_HEADS_P2=triton.next_power_of_2(num_heads),
-            KV_HEADS_P2=triton.next_power_of_2(num_kv_heads), NORM=q_weight is not None, num_warps=4,
+            HALF=head_dim // 2, NORM=q_weight is not None, num_warps=1,
         )
     return q_out
 
