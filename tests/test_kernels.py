@@ -195,7 +195,7 @@ def test_prefix_chunks_spread_over_every_split_interpreter():
     plan = SplitPlan(block_m=16, num_m_blocks=1, num_splits=num_splits, block_n=block_n)
     cfg = small_config(block_m=16, block_n=block_n)
     part_o, part_lse = attention_partials(case["q"], case["k_pages"], case["v_pages"], case["block_tables"],
-                                       case["prefix_lens"], case["cu_tree"], case["sm_scale"], plan, cfg)
+                                          case["prefix_lens"], case["cu_tree"], case["sm_scale"], plan, cfg)
     for b, n in enumerate(lens):
         lo, hi = int(case["cu_tree"][b]), int(case["cu_tree"][b + 1])
         chunk = max(MIN_SPLIT_BLOCKS.value, cdiv(cdiv(n, block_n), num_splits)) * block_n
