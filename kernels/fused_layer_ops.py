@@ -120,32 +120,43 @@ def norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: tor
     return out
 
 
+# Up to this many tokens each program takes one head, past it one KV group's worth of heads. Qwen3-8B's 48 heads
+# on an H200 (us per launch, one head / eight heads per program): 16 tokens 5.7 / 6.1, 64 tokens 7.5 / 6.4,
+# 4096 tokens 124 / 33 (benchmarks/results/qkv_epilogue_probe.md).
+PER_HEAD_MAX_TOKENS = 32
+
+
 @triton.jit
 def _qkv_norm_rope_kernel(
     q_ptr, k_ptr, v_ptr, q_weight_ptr, k_weight_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr, v_out_ptr, eps,
     num_heads, num_kv_heads,
     stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_cn,
     stride_qon, stride_qoh, stride_kon, stride_koh, stride_von, stride_voh,
-    HALF: tl.constexpr, NORM: tl.constexpr,
+    HALF: tl.constexpr, HEADS: tl.constexpr, NORM: tl.constexpr,
 ):
-    """One head of one token: a q head or a k head normalised and rotated, or a v head copied. The layer's
-    whole Q/K/V epilogue is one launch, with K and V written straight to where attention reads them; one
-    program per head keeps a verify step's few tokens from running as a few long programs."""
+    """HEADS heads of one token: q heads or k heads normalised and rotated, or v heads copied. The layer's
+    whole Q/K/V epilogue is one launch, with K and V written straight to where attention reads them. Axis 1
+    walks q's heads, then k's, then v's, HEADS at a time (a tensor's last program may hold fewer)."""
     token = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
+    head = tl.program_id(1) * HEADS
+    q_slots = tl.cdiv(num_heads, HEADS) * HEADS
+    kv_slots = tl.cdiv(num_kv_heads, HEADS) * HEADS
     cos, sin = cos_ptr + token * stride_cn, sin_ptr + token * stride_cn
-    if head < num_heads:
+    if head < q_slots:
         _norm_rope_heads(q_ptr + token * stride_qn + head * stride_qh, stride_qh, q_weight_ptr, eps, cos, sin,
-                         q_out_ptr + token * stride_qon + head * stride_qoh, stride_qoh, 1, HALF, 1, NORM)
-    elif head < num_heads + num_kv_heads:
-        head -= num_heads
+                         q_out_ptr + token * stride_qon + head * stride_qoh, stride_qoh, num_heads - head, HALF,
+                         HEADS, NORM)
+    elif head < q_slots + kv_slots:
+        head -= q_slots
         _norm_rope_heads(k_ptr + token * stride_kn + head * stride_kh, stride_kh, k_weight_ptr, eps, cos, sin,
-                         k_out_ptr + token * stride_kon + head * stride_koh, stride_koh, 1, HALF, 1, NORM)
+                         k_out_ptr + token * stride_kon + head * stride_koh, stride_koh, num_kv_heads - head, HALF,
+                         HEADS, NORM)
     else:
-        head -= num_heads + num_kv_heads
-        dims = tl.arange(0, 2 * HALF)
-        v = tl.load(v_ptr + token * stride_vn + head * stride_vh + dims)
-        tl.store(v_out_ptr + token * stride_von + head * stride_voh + dims, v)
+        heads = head - q_slots - kv_slots + tl.arange(0, HEADS)[:, None]
+        dims = tl.arange(0, 2 * HALF)[None, :]
+        ok = heads < num_kv_heads
+        v = tl.load(v_ptr + token * stride_vn + heads * stride_vh + dims, mask=ok)
+        tl.store(v_out_ptr + token * stride_von + heads * stride_voh + dims, v, mask=ok)
 
 
 def qkv_norm_rope(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: torch.Tensor | None,
@@ -163,13 +174,15 @@ def qkv_norm_rope(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: t
     if any(t.stride(2) != 1 for t in (k, v, k_out, v_out)):
         raise ValueError("head_dim must be contiguous")
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    heads = 1 if num_tokens <= PER_HEAD_MAX_TOKENS else triton.next_power_of_2(num_kv_heads)
+    programs = triton.cdiv(num_heads, heads) + 2 * triton.cdiv(num_kv_heads, heads)
     if num_tokens:
-        _qkv_norm_rope_kernel[(num_tokens, num_heads + 2 * num_kv_heads)](
+        _qkv_norm_rope_kernel[(num_tokens, programs)](
             q, k, v, q_weight if q_weight is not None else q, k_weight if k_weight is not None else q, cos, sin,
             q_out, k_out, v_out, eps, num_heads, num_kv_heads,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
             q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1), v_out.stride(0), v_out.stride(1),
-            HALF=head_dim // 2, NORM=q_weight is not None, num_warps=1,
+            HALF=head_dim // 2, HEADS=heads, NORM=q_weight is not None, num_warps=1 if heads == 1 else 4,
         )
     return q_out
 

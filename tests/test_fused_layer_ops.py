@@ -57,9 +57,13 @@ def test_norm_rope(dtype: torch.dtype, with_norm: bool) -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("with_norm", [True, False])
-def test_qkv_norm_rope_writes_k_and_v_in_place(dtype: torch.dtype, with_norm: bool) -> None:
+@pytest.mark.parametrize("tokens, heads, kv_heads", [(5, 4, 2), (fused.PER_HEAD_MAX_TOKENS + 3, 6, 3)])
+def test_qkv_norm_rope_writes_k_and_v_in_place(dtype: torch.dtype, with_norm: bool, tokens: int, heads: int,
+                                               kv_heads: int) -> None:
+    """A head per program for a verify step's few tokens; a KV group's worth of heads (here 4 for 3 KV heads,
+    so every tensor's last program is partly masked) for a prefill chunk."""
     gen = torch.Generator().manual_seed(7)
-    tokens, heads, kv_heads, dim = 5, 4, 2, 32
+    dim = 32
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=gen).to(DEVICE, dtype)
     q, k, v = (t.view(tokens, -1, dim) for t in qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], -1))
     q_weight, k_weight = ((1 + torch.randn(dim, generator=gen) / 4).to(DEVICE, dtype) if with_norm else None
