@@ -1,5 +1,5 @@
 """The projections of one Qwen3-8B decoder layer at verify-step row counts: cuBLAS against the skinny-M
-Triton GEMM (kernels/skinny_gemm.py), bf16, on one GPU.
+Triton GEMM (ddtree_kernels/skinny_gemm.py), bf16, on one GPU.
 
 Each time is the median per GEMM of a CUDA graph that runs the projection over 8 copies of its weight in
 turn, so every call streams its weight from HBM as in a real 36-layer step (one copy would sit in L2).
@@ -23,7 +23,7 @@ import torch.nn.functional as F
 import triton
 from triton.testing import do_bench
 
-from kernels import fused_layer_ops, skinny_gemm
+from ddtree_kernels import fused_layer_ops, skinny_gemm
 
 HIDDEN, INTERMEDIATE, Q_COLS, KV_COLS = 4096, 12288, 32 * 128, 8 * 128
 # name -> (weight rows, weight columns, gated)

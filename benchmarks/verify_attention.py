@@ -1,6 +1,6 @@
 """Verify attention for one layer (32 q heads, 8 KV heads, d=128, bf16) on one GPU, side by side:
 
-- hybrid: this project's kernel (`kernels.hybrid_verify_attention`), paged KV, page size 64 and 16;
+- hybrid: this project's kernel (`ddtree_kernels.hybrid_verify_attention`), paged KV, page size 64 and 16;
 - page1: how serving systems verify trees today: page size 1, one index load per prefix token, one
   program per (query head, query block) walking the prefix serially, dense tree mask (Triton, below);
 - sdpa_dense: `scaled_dot_product_attention` with a dense additive mask over prefix + tree;
@@ -28,10 +28,10 @@ import triton.language as tl
 from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from kernels import SplitConfig, hybrid_verify_attention  # noqa: E402
-from kernels.lse_merge import merge_partials  # noqa: E402
-from kernels.reference import pack_tree_mask  # noqa: E402
-from kernels.split_kv import attention_partials, default_config, plan_splits  # noqa: E402
+from ddtree_kernels import SplitConfig, hybrid_verify_attention  # noqa: E402
+from ddtree_kernels.lse_merge import merge_partials  # noqa: E402
+from ddtree_kernels.reference import pack_tree_mask  # noqa: E402
+from ddtree_kernels.split_kv import attention_partials, default_config, plan_splits  # noqa: E402
 
 HQ, HKV, D = 32, 8, 128
 GROUP = HQ // HKV

@@ -14,14 +14,14 @@ from modeling.rope import apply_rotary
 
 def fused_ops():
     """The fused Triton versions of the row-wise ops, used on CUDA tensors (Triton loads only there)."""
-    from kernels import fused_layer_ops
+    from ddtree_kernels import fused_layer_ops
 
     return fused_layer_ops
 
 
 def skinny_gemm():
     """The Triton GEMM for few-row inputs, used on CUDA tensors (Triton loads only there)."""
-    from kernels import skinny_gemm
+    from ddtree_kernels import skinny_gemm
 
     return skinny_gemm
 

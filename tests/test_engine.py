@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from kernels.reference import gather_prefix
+from ddtree_kernels.reference import gather_prefix
 from modeling.graph_capture import buckets
 from modeling.tree import DraftTree, TreeError
 from tests.engine_helpers import GREEDY, make_engine, plain_generate, random_tree, run_to_end

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import fused_layer_ops as fused
+from ddtree_kernels import fused_layer_ops as fused
 from modeling.layers import RMSNorm
 from modeling.rope import apply_rotary
 

@@ -1,4 +1,4 @@
-"""Triton kernels against the plain-torch oracle in kernels/reference.py.
+"""Triton kernels against the plain-torch oracle in ddtree_kernels/reference.py.
 
 Without CUDA the kernels run in Triton's CPU interpreter (fp16/fp32, small shapes: the interpreter
 gives wrong bf16 dot products); with CUDA the `gpu` tests run bf16 at larger shapes.
@@ -11,17 +11,24 @@ import dataclasses
 import pytest
 import torch
 
-from kernels.commit_kv import commit_kv
-from kernels.lse_merge import MAX_BLOCK_S, merge_partials
-from kernels.paged_decode import paged_decode_attention
-from kernels.reference import (
+from ddtree_kernels.commit_kv import commit_kv
+from ddtree_kernels.lse_merge import MAX_BLOCK_S, merge_partials
+from ddtree_kernels.paged_decode import paged_decode_attention
+from ddtree_kernels.reference import (
     commit_kv_reference,
     gather_prefix,
     pack_tree_mask,
     verify_attention_reference,
 )
-from kernels.split_kv import MIN_SPLIT_BLOCKS, SplitConfig, SplitPlan, attention_partials, default_config, plan_splits
-from kernels.verify_attention import hybrid_verify_attention
+from ddtree_kernels.split_kv import (
+    MIN_SPLIT_BLOCKS,
+    SplitConfig,
+    SplitPlan,
+    attention_partials,
+    default_config,
+    plan_splits,
+)
+from ddtree_kernels.verify_attention import hybrid_verify_attention
 
 GPU = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if GPU else "cpu")

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import skinny_gemm
+from ddtree_kernels import skinny_gemm
 from modeling.layers import MLP, FusedLinear
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

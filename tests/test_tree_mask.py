@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from kernels.tree_mask import tree_positions_and_mask
+from ddtree_kernels.tree_mask import tree_positions_and_mask
 from tests.engine_helpers import random_tree
 from verifier_service.engine.verify_batch import BlockSpec, build_verify_batch
 

@@ -6,7 +6,7 @@ from typing import Protocol
 
 import torch
 
-from kernels import reference
+from ddtree_kernels import reference
 from verifier_service.engine.kv_cache import KVCache, TreeScratch
 from verifier_service.engine.verify_batch import VerifyBatch
 
@@ -36,9 +36,9 @@ class TritonBackend:
     one-launch KV commit. Launch shapes come from host-side bounds: no device sync per layer."""
 
     def __init__(self) -> None:
-        # NOTE: from the submodules: `kernels.commit_kv` is both a submodule and a function name.
-        from kernels.commit_kv import commit_kv
-        from kernels.verify_attention import hybrid_verify_attention
+        # NOTE: from the submodules: `ddtree_kernels.commit_kv` is both a submodule and a function name.
+        from ddtree_kernels.commit_kv import commit_kv
+        from ddtree_kernels.verify_attention import hybrid_verify_attention
 
         self._verify, self._commit = hybrid_verify_attention, commit_kv
 

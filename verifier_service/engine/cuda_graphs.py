@@ -17,7 +17,7 @@ from typing import NamedTuple
 
 import torch
 
-from kernels.tree_mask import tree_positions_and_mask
+from ddtree_kernels.tree_mask import tree_positions_and_mask
 from modeling.graph_capture import buckets, capture
 from verifier_service.engine.verify_batch import BlockSpec, VerifyBatch
 

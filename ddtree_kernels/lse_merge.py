@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.split_kv import SplitPlan, split_chunk_len
+from ddtree_kernels.split_kv import SplitPlan, split_chunk_len
 
 MAX_BLOCK_S = 64  # partials per tile; more splits than that take several tiles
 

@@ -1,6 +1,6 @@
 """Triton kernels for tree verification over paged KV; `reference` holds the plain-torch oracle.
 
-The kernel modules load lazily (PEP 562), so `from kernels import reference` needs no Triton and does
+The kernel modules load lazily (PEP 562), so `from ddtree_kernels import reference` needs no Triton and does
 not fix Triton's interpreter mode before a test module has chosen it.
 """
 
@@ -10,10 +10,10 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "SplitConfig": "kernels.split_kv",
-    "commit_kv": "kernels.commit_kv",
-    "hybrid_verify_attention": "kernels.verify_attention",
-    "paged_decode_attention": "kernels.paged_decode",
+    "SplitConfig": "ddtree_kernels.split_kv",
+    "commit_kv": "ddtree_kernels.commit_kv",
+    "hybrid_verify_attention": "ddtree_kernels.verify_attention",
+    "paged_decode_attention": "ddtree_kernels.paged_decode",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -21,9 +21,9 @@ __all__ = sorted(_EXPORTS)
 
 def __getattr__(name: str) -> Any:
     if name not in _EXPORTS:
-        raise AttributeError(f"module 'kernels' has no attribute {name!r}")
+        raise AttributeError(f"module 'ddtree_kernels' has no attribute {name!r}")
     value = getattr(importlib.import_module(_EXPORTS[name]), name)
-    # NOTE: the import just bound the same-named submodule here (kernels.commit_kv); the function wins.
+    # NOTE: the import just bound the same-named submodule here (ddtree_kernels.commit_kv); the function wins.
     # Code that imports the submodule itself first sees the module: import from the submodule then.
     globals()[name] = value
     return value

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels.lse_merge import merge_partials
-from kernels.split_kv import (
+from ddtree_kernels.lse_merge import merge_partials
+from ddtree_kernels.split_kv import (
     SplitConfig,
     attention_partials,
     check_host_bounds,
