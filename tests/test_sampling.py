@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import itertools
+import math
 import random
+from collections import Counter
 
 import pytest
 import torch
-from scipy.stats import chisquare
+from scipy.stats import chi2
 
 import verifier_service.engine.engine as engine_module
 from modeling.config import ModelConfig, RopeConfig
@@ -23,6 +25,7 @@ PROMPT = [1, 3, 0, 2]
 PARAMS = SamplingParams(temperature=0.8, top_k=4, top_p=0.95, max_new_tokens=2, ignore_eos=True)
 SAMPLES = 1500
 ALPHA = 1e-3  # significance level: a correct sampler fails this test once in a thousand seeds
+MIN_EXPECTED = 5  # the usual floor of a chi-square cell's expected count
 
 
 def tiny_vocab_engine() -> Engine:
@@ -71,13 +74,69 @@ def sample_first_two(engine: Engine, with_trees: bool) -> list[tuple[int, int]]:
     return outcomes
 
 
+def pearson_cells(outcomes: list[tuple[int, int]], law: dict[tuple[int, int], float]) -> tuple[list[int], list[float]]:
+    """Observed and expected counts per cell. Cells expected fewer than MIN_EXPECTED times are pooled (the statistic
+    is chi-square distributed only with a few per cell); the pool's expectation comes from the law's rare mass, not
+    from the total minus the common cells (which rounds below zero when no cell is rare). A pool still short of
+    MIN_EXPECTED joins the least likely common cell, as long as two cells remain."""
+    scale = len(outcomes) / sum(law.values())
+    counts = Counter(outcomes)
+    common = sorted((cell for cell, p in law.items() if p * scale >= MIN_EXPECTED), key=law.__getitem__)
+    observed = [counts[cell] for cell in common]
+    expected = [law[cell] * scale for cell in common]
+    rare_observed = len(outcomes) - sum(observed)  # outcomes the law does not name land here too
+    rare_expected = sum(p for p in law.values() if p * scale < MIN_EXPECTED) * scale
+    if rare_expected < MIN_EXPECTED and len(common) >= 2:
+        observed[0] += rare_observed
+        expected[0] += rare_expected
+    elif rare_observed or rare_expected:
+        observed.append(rare_observed)
+        expected.append(rare_expected)
+    return observed, expected
+
+
 def chi_square_p(outcomes: list[tuple[int, int]], law: dict[tuple[int, int], float]) -> float:
-    cells = [cell for cell, p in law.items() if p * len(outcomes) >= 5]  # pool rare cells into one
-    observed = [sum(o == cell for o in outcomes) for cell in cells]
-    expected = [law[cell] * len(outcomes) for cell in cells]
-    observed.append(len(outcomes) - sum(observed))
-    expected.append(len(outcomes) - sum(expected))
-    return chisquare(observed, expected).pvalue
+    """Pearson's p-value of the outcomes under the law; 1.0 when a single cell is left (nothing to compare)."""
+    observed, expected = pearson_cells(outcomes, law)
+    if len(observed) < 2:
+        return 1.0
+    # Only a pool of outcomes that the law rules out is kept with an expectation of 0: p is 0.
+    statistic = sum((o - e) ** 2 / e if e else math.inf for o, e in zip(observed, expected))
+    return float(chi2.sf(statistic, len(observed) - 1))
+
+
+def counts_to_outcomes(counts: dict[tuple[int, int], int]) -> list[tuple[int, int]]:
+    return [cell for cell, count in counts.items() for _ in range(count)]
+
+
+NO_RARE_CELL = {(0, i): w / 17 for i, w in enumerate([3, 6, 6, 2])}  # n=170: the old pool's expectation was -3e-14
+ONE_CELL = {(0, 0): 1.0, (0, 1): 0.0}
+SMALL_POOL = {(0, 0): 0.5, (0, 1): 0.49, (1, 0): 0.005, (1, 1): 0.005}  # n=200: the two rare cells expect 2 in all
+
+
+@pytest.mark.parametrize(("law", "counts"), [
+    (NO_RARE_CELL, {(0, 0): 30, (0, 1): 60, (0, 2): 60, (0, 3): 20}),
+    (NO_RARE_CELL, {(0, 0): 20, (0, 1): 70, (0, 2): 50, (0, 3): 30}),
+    (ONE_CELL, {(0, 0): 50}),
+    (ONE_CELL, {(0, 0): 49, (0, 1): 1}),
+    (SMALL_POOL, {(0, 0): 100, (0, 1): 98, (1, 0): 1, (1, 1): 1}),
+    (SMALL_POOL, {(0, 0): 100, (0, 1): 90, (1, 0): 10}),
+    (SMALL_POOL, {(0, 0): 200}),
+    ({(0, 0): 0.99, (0, 1): 0.01}, {(0, 0): 97, (0, 1): 3}),  # one common cell: the small pool stays a cell
+    (SMALL_POOL, {}),
+], ids=["no-rare", "no-rare-off", "one-cell", "one-cell-ruled-out", "small-pool", "small-pool-off", "all-in-one",
+        "one-common-cell", "no-samples"])
+def test_chi_square_p_is_a_probability_on_edge_inputs(law, counts) -> None:
+    p = chi_square_p(counts_to_outcomes(counts), law)
+    assert math.isfinite(p) and 0.0 <= p <= 1.0, p
+
+
+def test_chi_square_p_on_edge_inputs_says_what_it_should() -> None:
+    exact = {(0, 0): 30, (0, 1): 60, (0, 2): 60, (0, 3): 20}
+    assert chi_square_p(counts_to_outcomes(exact), NO_RARE_CELL) == pytest.approx(1.0)
+    assert chi_square_p(counts_to_outcomes({(0, 0): 50}), ONE_CELL) == 1.0  # nothing else could happen
+    assert chi_square_p(counts_to_outcomes({(0, 0): 49, (0, 1): 1}), ONE_CELL) == 0.0  # an outcome ruled out
+    assert chi_square_p(counts_to_outcomes({(0, 0): 200}), SMALL_POOL) < ALPHA
 
 
 @pytest.fixture(scope="module")
