@@ -30,6 +30,10 @@ from proto.tensors import from_proto
 
 log = logging.getLogger(__name__)
 
+# NOTE: replies waiting for a verifier that reads slowly. Past this many the stream's reader stops taking
+# requests until writes catch up (backpressure through gRPC flow control), so they cannot pile up.
+PENDING_REPLIES_LIMIT = 256
+
 
 class _Stream:
     """One verifier's Draft stream: the sessions it opened, and its replies, written one at a time in order
@@ -42,6 +46,13 @@ class _Stream:
         self.writing = False
         self.writer: asyncio.Task | None = None
         self.ended = False
+        self.drained = asyncio.Event()
+
+    async def room(self) -> None:
+        """Wait until the replies under way are below the limit."""
+        while len(self.pending) >= PENDING_REPLIES_LIMIT and not self.ended:
+            self.drained.clear()
+            await self.drained.wait()
 
     async def write(self, reply: drafter_pb2.DrafterReply) -> None:
         """The reader's path: write now, or behind the write under way (which then sends this one too)."""
@@ -63,8 +74,11 @@ class _Stream:
         try:
             while self.pending:
                 await self.context.write(self.pending.popleft())
+                if len(self.pending) < PENDING_REPLIES_LIMIT:
+                    self.drained.set()
         finally:
             self.writing = False
+            self.drained.set()
 
     async def _write_in_background(self) -> None:
         try:
@@ -81,6 +95,7 @@ class _Stream:
     def end(self) -> None:
         """The call is over (finished or cancelled): a write still under way has no stream left."""
         self.ended = True
+        self.drained.set()
         if self.writer is not None:
             self.writer.cancel()
 
@@ -133,6 +148,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         self.streams.add(stream)
         try:
             async for request in request_iterator:
+                await stream.room()
                 kind = request.WhichOneof("kind")
                 if kind == "open":
                     await self._open(request.open, stream)

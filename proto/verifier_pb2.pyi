@@ -93,12 +93,24 @@ class VerifierGetSessionRequest(_message.Message):
     session_id: str
     def __init__(self, session_id: _Optional[str] = ...) -> None: ...
 
+class VerifierRenewLeasesRequest(_message.Message):
+    __slots__ = ("session_ids",)
+    SESSION_IDS_FIELD_NUMBER: _ClassVar[int]
+    session_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, session_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class VerifierRenewLeasesReply(_message.Message):
+    __slots__ = ("unknown_session_ids",)
+    UNKNOWN_SESSION_IDS_FIELD_NUMBER: _ClassVar[int]
+    unknown_session_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, unknown_session_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
 class VerifierInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class VerifierInfoReply(_message.Message):
-    __slots__ = ("model_name", "page_size", "kv_capacity_pages", "free_pages", "max_context", "vocab_size", "eos_token_ids", "active_sessions", "max_tree_nodes")
+    __slots__ = ("model_name", "page_size", "kv_capacity_pages", "free_pages", "max_context", "vocab_size", "eos_token_ids", "active_sessions", "max_tree_nodes", "session_lease_s")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
     KV_CAPACITY_PAGES_FIELD_NUMBER: _ClassVar[int]
@@ -108,6 +120,7 @@ class VerifierInfoReply(_message.Message):
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     MAX_TREE_NODES_FIELD_NUMBER: _ClassVar[int]
+    SESSION_LEASE_S_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     page_size: int
     kv_capacity_pages: int
@@ -117,4 +130,5 @@ class VerifierInfoReply(_message.Message):
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
     active_sessions: int
     max_tree_nodes: int
-    def __init__(self, model_name: _Optional[str] = ..., page_size: _Optional[int] = ..., kv_capacity_pages: _Optional[int] = ..., free_pages: _Optional[int] = ..., max_context: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., active_sessions: _Optional[int] = ..., max_tree_nodes: _Optional[int] = ...) -> None: ...
+    session_lease_s: float
+    def __init__(self, model_name: _Optional[str] = ..., page_size: _Optional[int] = ..., kv_capacity_pages: _Optional[int] = ..., free_pages: _Optional[int] = ..., max_context: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., active_sessions: _Optional[int] = ..., max_tree_nodes: _Optional[int] = ..., session_lease_s: _Optional[float] = ...) -> None: ...

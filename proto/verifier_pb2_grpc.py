@@ -59,6 +59,11 @@ class VerifierStub:
                 request_serializer=proto_dot_verifier__pb2.VerifierGetSessionRequest.SerializeToString,
                 response_deserializer=proto_dot_verifier__pb2.VerifierSessionInfo.FromString,
                 _registered_method=True)
+        self.RenewLeases = channel.unary_unary(
+                '/ddtree.v1.Verifier/RenewLeases',
+                request_serializer=proto_dot_verifier__pb2.VerifierRenewLeasesRequest.SerializeToString,
+                response_deserializer=proto_dot_verifier__pb2.VerifierRenewLeasesReply.FromString,
+                _registered_method=True)
         self.Info = channel.unary_unary(
                 '/ddtree.v1.Verifier/Info',
                 request_serializer=proto_dot_verifier__pb2.VerifierInfoRequest.SerializeToString,
@@ -104,6 +109,15 @@ class VerifierServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RenewLeases(self, request, context):
+        """Extend the leases of sessions a gateway still holds handles for. A session whose lease runs
+        out while no Generate runs on it is released, so a gateway that dies or restarts leaves no
+        page held for longer than the lease.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Info(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -137,6 +151,11 @@ def add_VerifierServicer_to_server(servicer, server):
                     servicer.GetSession,
                     request_deserializer=proto_dot_verifier__pb2.VerifierGetSessionRequest.FromString,
                     response_serializer=proto_dot_verifier__pb2.VerifierSessionInfo.SerializeToString,
+            ),
+            'RenewLeases': grpc.unary_unary_rpc_method_handler(
+                    servicer.RenewLeases,
+                    request_deserializer=proto_dot_verifier__pb2.VerifierRenewLeasesRequest.FromString,
+                    response_serializer=proto_dot_verifier__pb2.VerifierRenewLeasesReply.SerializeToString,
             ),
             'Info': grpc.unary_unary_rpc_method_handler(
                     servicer.Info,
@@ -279,6 +298,33 @@ class Verifier:
             '/ddtree.v1.Verifier/GetSession',
             proto_dot_verifier__pb2.VerifierGetSessionRequest.SerializeToString,
             proto_dot_verifier__pb2.VerifierSessionInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RenewLeases(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ddtree.v1.Verifier/RenewLeases',
+            proto_dot_verifier__pb2.VerifierRenewLeasesRequest.SerializeToString,
+            proto_dot_verifier__pb2.VerifierRenewLeasesReply.FromString,
             options,
             channel_credentials,
             insecure,

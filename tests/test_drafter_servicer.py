@@ -237,3 +237,28 @@ def test_the_verifier_pool_drafts_over_grpc_and_its_sessions_close_with_the_stre
             servicer.task.cancel()
             await server.stop(None)
     asyncio.run(main())
+
+
+def test_a_verifier_that_stops_reading_stops_the_reader_not_the_memory(monkeypatch) -> None:
+    """Replies for a stream whose writes hang are bounded: past the limit the reader takes no more requests,
+    so gRPC flow control holds the verifier back; everything is answered once writes resume."""
+    monkeypatch.setattr("drafter_service.servicer.PENDING_REPLIES_LIMIT", 2)
+
+    async def test(servicer: DrafterServicer, drafter: RecordingDrafter) -> None:
+        stream = FakeStream(servicer, gated=True)
+        sessions = [f"s{i}" for i in range(6)]
+        for session_id in sessions:
+            stream.open(session_id)
+        for step in range(4):
+            for session_id in sessions:
+                stream.step(session_id, step, [5] if step else [], 5, len(PROMPT) + max(0, step - 1))
+                await settle()
+        (held,) = (s for s in servicer.streams)
+        assert len(held.pending) <= 2 + len(sessions) and stream.inbox.qsize() > 0
+        stream.release()
+        await settle()
+        assert stream.inbox.qsize() == 0 and not held.pending
+        assert {r.tree.session_id for r in stream.replies if r.tree.step == 3} == set(sessions)
+        stream.end()
+        await stream.task
+    run(test)

@@ -151,7 +151,7 @@ def test_generation_stops_at_max_context(new_engine) -> None:
     session, _ = engine.create_session(prompt_of(45))
     engine.start_generation(session.session_id, SamplingParams(max_new_tokens=100, ignore_eos=True))
     got, results = run_to_end(engine, session.session_id, lambda _: DraftTree.chain([1] * 30))
-    assert len(session.tokens) == 50 and len(got) == 5 and results[-1].finished == StopReason.LENGTH
+    assert len(session.tokens) == 50 and len(got) == 5 and results[-1].finished == StopReason.CONTEXT_LIMIT
 
 
 def test_stop_token_and_stop_string_cut_the_output(new_engine) -> None:

@@ -95,22 +95,32 @@ class SilentDrafter(drafter_pb2_grpc.DrafterServicer):
         yield  # NOTE: makes this a (reply-less) stream handler
 
 
-def test_a_replica_that_never_answers_costs_one_timeout_per_step() -> None:
+def test_a_replica_that_never_answers_costs_one_timeout_then_is_probed() -> None:
+    """The first step waits its timeout; later steps run without the replica at once, until a probe (Info)
+    answers again. The silent replica answers Info, so it is back after one probe interval."""
     async def main() -> None:
         server = grpc.aio.server()
         drafter_pb2_grpc.add_DrafterServicer_to_server(SilentDrafter(), server)
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
         metrics = VerifierMetrics()
-        pool = DrafterPool(f"127.0.0.1:{port}", metrics, timeout_s=0.2)
+        pool = DrafterPool(f"127.0.0.1:{port}", metrics, timeout_s=0.3, refresh_s=0.5)
         await pool.refresh()
         pool.attach("s", lambda: [1, 2, 3], None)
-        for step in range(2):
+        waits = []
+        for step in range(3):
             started = time.perf_counter()
             assert await pool.draft("s", step, [], None, 4, 3, 15) is None
-            assert 0.2 <= time.perf_counter() - started < 2.0
-        (link,) = pool.live_links()
-        assert link.alive and not link.waiting  # the stream stays; no reply is awaited any more
+            waits.append(time.perf_counter() - started)
+        assert waits[0] >= 0.3 and max(waits[1:]) < 0.1, waits
+        assert metrics.drafter_stalls._value.get() == 1
+        (link,) = pool.links.values()
+        assert link.alive and not link.healthy and not link.waiting
+        await asyncio.sleep(1.0)
+        assert link.healthy and pool.usable_links() == [link]
+        started = time.perf_counter()
+        assert await pool.draft("s", 3, [], None, 4, 3, 15) is None  # waits again: it is in use once more
+        assert time.perf_counter() - started >= 0.3
         await pool.stop()
         await server.stop(None)
 

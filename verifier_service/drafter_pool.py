@@ -5,10 +5,11 @@ without speculation (still exact), never to an error for the client."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import socket
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -35,20 +36,32 @@ def resolve_targets(target: str) -> list[str]:
     return sorted({f"{info[4][0]}:{port}" for info in infos})
 
 
-class ReplicaLink:
-    """One replica: a channel, its Draft stream, and the replies awaited on it."""
+# NOTE: requests waiting to be written to one replica's stream. A healthy replica drains them at once; a
+# stalled one would otherwise grow the queue by a request per session and step.
+OUTBOX_LIMIT = 1024
 
-    def __init__(self, address: str, on_session_error: Callable[[str], None], on_lost: Callable[[], None]):
+
+class ReplicaLink:
+    """One replica: a channel, its Draft stream, and the replies awaited on it.
+
+    `alive` while the stream is open; `healthy` unless a reply timed out, after which no step waits on the
+    replica until a probe (Info) answers again: a frozen replica costs one timeout, not one per step."""
+
+    def __init__(self, address: str, on_session_error: Callable[[str], None], on_lost: Callable[[], None],
+                 channel_options: Sequence[tuple[str, int]] = ()):
         self.address = address
-        self.channel = grpc.aio.insecure_channel(address)
+        self.channel = grpc.aio.insecure_channel(address, options=list(channel_options))
         self.stub = drafter_pb2_grpc.DrafterStub(self.channel)
-        self.outbox: asyncio.Queue[drafter_pb2.DrafterRequest | None] = asyncio.Queue()
+        self.outbox: asyncio.Queue[drafter_pb2.DrafterRequest | None] = asyncio.Queue(OUTBOX_LIMIT)
         self.waiting: dict[tuple[str, int], asyncio.Future] = {}
         self.on_session_error = on_session_error
         self.on_lost = on_lost
         self.info: drafter_pb2.DrafterInfoReply | None = None
         self.alive = False
+        self.healthy = True
         self.reader: asyncio.Task | None = None
+        self.prober: asyncio.Task | None = None
+        self.orphans: set[str] = set()  # sessions moved away while it did not answer: close their mirrors
 
     async def connect(self, timeout_s: float) -> drafter_pb2.DrafterInfoReply:
         self.info = await self.stub.Info(drafter_pb2.DrafterInfoRequest(), timeout=timeout_s)
@@ -83,7 +96,29 @@ class ReplicaLink:
                 self.on_lost()
 
     def send(self, request: drafter_pb2.DrafterRequest) -> None:
+        """Queue a request; raises asyncio.QueueFull when the replica has stopped reading."""
         self.outbox.put_nowait(request)
+
+    def usable(self) -> bool:
+        return self.alive and self.healthy
+
+    def probe_until_healthy(self, interval_s: float, timeout_s: float, on_healthy: Callable[[], None]) -> None:
+        """Stop using the replica; ask for its Info every `interval_s` until it answers within `timeout_s`."""
+        self.healthy = False
+        if self.prober is None or self.prober.done():
+            self.prober = asyncio.create_task(self._probe(interval_s, timeout_s, on_healthy),
+                                              name=f"probe-{self.address}")
+
+    async def _probe(self, interval_s: float, timeout_s: float, on_healthy: Callable[[], None]) -> None:
+        while self.alive:
+            await asyncio.sleep(interval_s)
+            try:
+                await self.stub.Info(drafter_pb2.DrafterInfoRequest(), timeout=timeout_s)
+            except grpc.aio.AioRpcError:
+                continue
+            self.healthy = True
+            on_healthy()
+            return
 
     async def ask(self, session_id: str, step: int, request: drafter_pb2.DrafterRequest,
                   timeout_s: float) -> drafter_pb2.DrafterReply:
@@ -101,10 +136,12 @@ class ReplicaLink:
 
     async def close(self) -> None:
         self.alive = False
-        self.outbox.put_nowait(None)
+        if self.prober is not None:
+            self.prober.cancel()
+        with contextlib.suppress(asyncio.QueueFull):
+            self.outbox.put_nowait(None)
         await self.channel.close()
-        if self.reader:
-            await asyncio.gather(self.reader, return_exceptions=True)
+        await asyncio.gather(*(task for task in (self.reader, self.prober) if task), return_exceptions=True)
 
 
 def _expire(future: asyncio.Future) -> None:
@@ -120,8 +157,11 @@ class SessionDraftState:
 
 
 class DrafterPool:
-    def __init__(self, target: str, metrics: VerifierMetrics, timeout_s: float = 1.0, refresh_s: float = 2.0):
+    def __init__(self, target: str, metrics: VerifierMetrics, timeout_s: float = 1.0, refresh_s: float = 2.0,
+                 channel_options: Sequence[tuple[str, int]] = ()):
+        """channel_options: of every replica's channel (keepalive, so a frozen replica's stream breaks)."""
         self.target, self.metrics, self.timeout_s, self.refresh_s = target, metrics, timeout_s, refresh_s
+        self.channel_options = tuple(channel_options)
         self.links: dict[str, ReplicaLink] = {}
         self.sessions: dict[str, SessionDraftState] = {}
         self.round_robin = itertools.count()
@@ -157,7 +197,7 @@ class DrafterPool:
                 continue
             if link is not None:
                 await link.close()
-            link = ReplicaLink(address, self._session_error, self._reconnect_soon)
+            link = ReplicaLink(address, self._session_error, self._reconnect_soon, self.channel_options)
             try:
                 info = await link.connect(self.timeout_s)
             except (grpc.aio.AioRpcError, asyncio.TimeoutError):
@@ -175,8 +215,37 @@ class DrafterPool:
             await self.refresh()
             await asyncio.sleep(self.refresh_s)
 
-    def live_links(self) -> list[ReplicaLink]:
-        return [link for link in self.links.values() if link.alive]
+    def usable_links(self) -> list[ReplicaLink]:
+        return [link for link in self.links.values() if link.usable()]
+
+    def _stalled(self, link: ReplicaLink) -> None:
+        """A step waited in vain (or the outbox is full): no step waits on the replica until it answers again."""
+        if not link.healthy:
+            return
+        log.warning("drafter %s did not answer within %.1f s: steps go on without it until it answers a probe",
+                    link.address, self.timeout_s)
+        self.metrics.drafter_stalls.inc()
+        link.probe_until_healthy(self.refresh_s, self.timeout_s, lambda: self._recovered(link))
+
+    def _recovered(self, link: ReplicaLink) -> None:
+        log.info("drafter %s answers again", link.address)
+        for session_id in link.orphans:
+            state = self.sessions.get(session_id)
+            if state is None or state.link is not link:
+                self._send_close(link, session_id)
+        link.orphans.clear()
+
+    def _forget_mirror(self, link: ReplicaLink, session_id: str) -> None:
+        """The session's mirror on `link` is no longer used: close it now, or once the replica answers again."""
+        if link.usable():
+            self._send_close(link, session_id)
+        elif link.alive:
+            link.orphans.add(session_id)
+
+    @staticmethod
+    def _send_close(link: ReplicaLink, session_id: str) -> None:
+        with contextlib.suppress(asyncio.QueueFull):  # NOTE: the stream's end closes every mirror anyway
+            link.send(drafter_pb2.DrafterRequest(close=drafter_pb2.DrafterClose(session_id=session_id)))
 
     def _session_error(self, session_id: str) -> None:
         state = self.sessions.get(session_id)
@@ -203,8 +272,7 @@ class DrafterPool:
         """End of a generation: free the replica's mirror; the next generation re-opens it."""
         state = self.sessions.get(session_id)
         if state is not None and state.link is not None:
-            if state.link.alive:
-                state.link.send(drafter_pb2.DrafterRequest(close=drafter_pb2.DrafterClose(session_id=session_id)))
+            self._forget_mirror(state.link, session_id)
             state.link = None
 
     def detach(self, session_id: str) -> None:
@@ -217,20 +285,26 @@ class DrafterPool:
         return features[-self.window:]
 
     def _seed(self, session_id: str, state: SessionDraftState) -> bool:
-        links = self.live_links()
+        links = self.usable_links()
         if not links:
             return False
-        reseed = state.link is not None
-        state.link = links[next(self.round_robin) % len(links)]
+        old, link = state.link, links[next(self.round_robin) % len(links)]
+        if old is not None and old is not link:
+            self._forget_mirror(old, session_id)
         tokens = state.tokens()
         uses_features = bool(self.info and self.info.feature_dim)
         if uses_features and self.window is not None:
             tokens = tokens[-self.window:]
         features = state.features if uses_features else None
-        state.link.send(drafter_pb2.DrafterRequest(open=drafter_pb2.DrafterOpen(
-            session_id=session_id, token_ids=tokens, features=to_proto(features),
-            start_position=len(state.tokens()) - len(tokens))))
-        if reseed:
+        try:
+            link.send(drafter_pb2.DrafterRequest(open=drafter_pb2.DrafterOpen(
+                session_id=session_id, token_ids=tokens, features=to_proto(features),
+                start_position=len(state.tokens()) - len(tokens))))
+        except asyncio.QueueFull:
+            self._stalled(link)
+            return False
+        state.link = link
+        if old is not None:
             self.metrics.reseeds.inc()
         return True
 
@@ -239,7 +313,7 @@ class DrafterPool:
         """The tree under `bonus` for this step, or None (no replica, timeout, error)."""
         self.add_features(session_id, features)
         state = self.sessions[session_id]
-        if state.link is None or not state.link.alive:
+        if state.link is None or not state.link.usable():
             if not self._seed(session_id, state):
                 return None
             committed, features, position = [], None, position + len(committed)  # the seed holds them
@@ -249,8 +323,11 @@ class DrafterPool:
             bonus_token_id=bonus, position=position, tree_budget=budget))
         try:
             reply = await link.ask(session_id, step, request, self.timeout_s)
-        except (ConnectionError, asyncio.TimeoutError):
-            return None  # NOTE: a dead link stays recorded, so the next step re-seeds and counts it
+        except (asyncio.TimeoutError, asyncio.QueueFull):
+            self._stalled(link)  # NOTE: the link stays recorded, so the next step re-seeds and counts it
+            return None
+        except ConnectionError:
+            return None
         if reply.WhichOneof("kind") == "error":
             if reply.error.code == grpc.StatusCode.NOT_FOUND.value[0]:
                 state.link = None

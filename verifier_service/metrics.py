@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
+from typing import TYPE_CHECKING
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+if TYPE_CHECKING:
+    from verifier_service.engine.engine import Engine
 
 
 class VerifierMetrics:
@@ -18,12 +24,25 @@ class VerifierMetrics:
         self.bad_trees = Counter("ddtree_verifier_bad_trees", "Trees rejected by validation", registry=r)
         self.draft_misses = Counter("ddtree_verifier_draft_misses", "Steps run without a tree (no drafter, timeout, "
                                     "error)", registry=r)
+        self.drafter_stalls = Counter("ddtree_verifier_drafter_stalls", "Times a drafter replica stopped "
+                                      "answering in time (steps then run without it until it answers)", registry=r)
         self.reseeds = Counter("ddtree_verifier_reseeds", "Sessions re-seeded on another drafter replica",
                                registry=r)
         self.step_seconds = Histogram("ddtree_verifier_step_seconds", "Engine step latency", registry=r)
         self.kv_pages_used = Gauge("ddtree_verifier_kv_pages_used", "KV pages in use", registry=r)
         self.kv_pages_free = Gauge("ddtree_verifier_kv_pages_free", "KV pages free", registry=r)
         self.sessions = Gauge("ddtree_verifier_sessions", "Open sessions", registry=r)
+        self.generating = Gauge("ddtree_verifier_generating_sessions", "Sessions with a generation running",
+                                registry=r)
 
-    def serve(self, port: int) -> None:
-        start_http_server(port, registry=self.registry)
+    def watch(self, engine: Engine, generating: Collection[str]) -> None:
+        """The gauges read the engine when scraped, so they show sessions and pages as they are."""
+        pool = engine.pool
+        self.kv_pages_free.set_function(lambda: pool.num_free)
+        self.kv_pages_used.set_function(lambda: pool.num_pages - pool.num_free)
+        self.sessions.set_function(lambda: len(engine.sessions))
+        self.generating.set_function(lambda: len(generating))
+
+    def serve(self, port: int, addr: str = "127.0.0.1") -> None:
+        """/metrics over HTTP; loopback unless told otherwise (containers pass 0.0.0.0 to be scraped)."""
+        start_http_server(port, addr=addr, registry=self.registry)

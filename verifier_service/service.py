@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import secrets
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -18,6 +20,7 @@ from verifier_service.engine.engine import Engine, StepResult
 from verifier_service.engine.errors import InvalidRequest
 from verifier_service.engine.sampling import SamplingParams
 from verifier_service.engine.session import Session
+from verifier_service.leases import SessionLeases
 from verifier_service.metrics import VerifierMetrics
 from verifier_service.worker import EngineWorker
 
@@ -32,6 +35,10 @@ class EngineDown(RuntimeError):
 
 class SessionBusy(RuntimeError):
     """The session already has a generation running (FAILED_PRECONDITION)."""
+
+
+# NOTE: a lease renewed every second by the gateway; a dead gateway's sessions go after this long.
+DEFAULT_LEASE_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -54,11 +61,15 @@ def _log_warm_up(warming: asyncio.Future) -> None:
 
 class VerifierService:
     def __init__(self, engine: Engine, drafters: DrafterPool | None, metrics: VerifierMetrics,
-                 tree_budget: int = 15, inline_steps: bool = True):
-        """inline_steps: see EngineWorker (off for a tensor-parallel group)."""
+                 tree_budget: int = 15, inline_steps: bool = True, lease_s: float = DEFAULT_LEASE_S):
+        """inline_steps: see EngineWorker (off for a tensor-parallel group). lease_s: see SessionLeases."""
         self.engine, self.drafters, self.metrics, self.tree_budget = engine, drafters, metrics, tree_budget
         self.worker = EngineWorker(inline_steps)
         self.generating: set[str] = set()
+        self.leases = SessionLeases(lease_s)
+        self.background: set[asyncio.Task] = set()  # releases of sessions whose creating call went away
+        self.reaper: asyncio.Task | None = None
+        metrics.watch(engine, self.generating)
         self.batcher = StepBatcher(engine, self.worker, lambda: len(self.generating))
         self.down = asyncio.Event()
         self.down_reason = ""
@@ -82,6 +93,7 @@ class VerifierService:
     async def start(self) -> None:
         """Connects the drafters first: a replica that answers now names the feature layers to capture."""
         self.batcher.start()
+        self.reaper = asyncio.create_task(self._reap_forever(), name="lease-reaper")
         if self.drafters is not None:
             await self.drafters.refresh()
             self.drafters.start()
@@ -92,6 +104,9 @@ class VerifierService:
     async def stop(self) -> None:
         if self.warming is not None:
             await asyncio.gather(self.warming, return_exceptions=True)
+        if self.reaper is not None:
+            self.reaper.cancel()
+        await asyncio.gather(*self.background, *([self.reaper] if self.reaper else []), return_exceptions=True)
         await self.batcher.stop()
         if self.drafters is not None:
             await self.drafters.stop()
@@ -105,6 +120,16 @@ class VerifierService:
 
     async def _call(self, fn: Callable[..., T], *args, **kwargs) -> T:
         return await self._engine_work(functools.partial(self.worker.call, fn, *args, **kwargs))
+
+    async def _prefill(self, fn: Callable[..., T], *args) -> T:
+        """An engine prefill that stops at its next chunk once the awaiting call is cancelled (a client gone
+        during a 128k prompt must not hold the engine for the rest of it)."""
+        stop = threading.Event()
+        try:
+            return await self._call(fn, *args, should_stop=stop.is_set)
+        except asyncio.CancelledError:
+            stop.set()
+            raise
 
     async def _engine_work(self, start: Callable[[], Awaitable[T]]) -> T:
         """Await `start()`, or raise EngineDown as soon as the engine is marked down."""
@@ -124,12 +149,6 @@ class VerifierService:
         work.cancel()
         raise EngineDown(self.down_reason)
 
-    def _update_gauges(self) -> None:
-        pool = self.engine.pool
-        self.metrics.kv_pages_free.set(pool.num_free)
-        self.metrics.kv_pages_used.set(pool.num_pages - pool.num_free)
-        self.metrics.sessions.set(len(self.engine.sessions))
-
     # ---- session operations --------------------------------------------------------------------------
 
     def _feature_tail(self) -> int:
@@ -139,10 +158,17 @@ class VerifierService:
         return (self.drafters.window if self.drafters else None) or self.engine.max_context
 
     async def create_session(self, prompt: list[int]) -> Session:
-        session, features = await self._call(self.engine.create_session, prompt, feature_tail=self._feature_tail())
+        session_id = secrets.token_hex(8)
+        try:
+            session, features = await self._prefill(self.engine.create_session, prompt, session_id,
+                                                    self._feature_tail())
+        except asyncio.CancelledError:
+            # NOTE: the prefill may still finish on the engine thread; the release queues behind it there.
+            self._release_soon(session_id)
+            raise
+        self.leases.grant(session_id)
         if self.drafters is not None:
             self.drafters.attach(session.session_id, lambda: session.tokens[:-1], features)
-        self._update_gauges()
         return session
 
     def session(self, session_id: str) -> Session:
@@ -151,10 +177,10 @@ class VerifierService:
     async def fork_session(self, session_id: str) -> Session:
         self._check_idle(session_id)
         fork = await self._call(self.engine.fork_session, session_id)
+        self.leases.grant(fork.session_id)
         if self.drafters is not None:
             features = self.drafters.sessions[session_id].features
             self.drafters.attach(fork.session_id, lambda: fork.tokens[:-1], features)
-        self._update_gauges()
         return fork
 
     async def release_session(self, session_id: str) -> int:
@@ -164,15 +190,35 @@ class VerifierService:
         await self._release(session_id)
         return self.engine.pool.num_free - free_before
 
+    def renew_leases(self, session_ids: list[str]) -> list[str]:
+        """Renew the sessions a gateway holds; returns the ids this verifier does not know."""
+        return self.leases.renew(session_ids)
+
     async def _release(self, session_id: str) -> None:
+        self.leases.drop(session_id)
         if self.drafters is not None:
             self.drafters.detach(session_id)
         await self._call(self.engine.release_session, session_id)
-        self._update_gauges()
+
+    def _release_soon(self, session_id: str) -> None:
+        task = asyncio.ensure_future(self._release(session_id))
+        self.background.add(task)
+        task.add_done_callback(self.background.discard)
+
+    async def _reap_forever(self) -> None:
+        """Release the sessions whose lease ran out (their gateway is gone or forgot them)."""
+        while True:
+            await asyncio.sleep(min(1.0, self.leases.lease_s / 4))
+            for session_id in self.leases.expired(self.generating):
+                log.info("session %s: lease expired, released", session_id)
+                try:
+                    await self._release(session_id)
+                except Exception:  # noqa: BLE001 - the reaper must outlive one failed release
+                    log.exception("releasing session %s failed", session_id)
 
     def _check_idle(self, session_id: str) -> None:
         if session_id in self.generating:
-            raise SessionBusy(f"session {session_id!r} is generating")
+            raise SessionBusy("session: a generation is already running on it")
 
     # ---- generation ------------------------------------------------------------------------------------
 
@@ -186,7 +232,7 @@ class VerifierService:
         try:
             params.validate()
             if append:
-                features = await self._call(self.engine.extend_session, session_id, append, self._feature_tail())
+                features = await self._prefill(self.engine.extend_session, session_id, append, self._feature_tail())
                 if self.drafters is not None:
                     self.drafters.add_features(session_id, features)
             await self._call(self.engine.start_generation, session_id, params)
@@ -194,11 +240,11 @@ class VerifierService:
                 yield event
         finally:
             self.generating.discard(session_id)
+            self.leases.grant(session_id)  # NOTE: the lease restarts when the generation lets go of it
             if self.drafters is not None:
                 self.drafters.close_mirror(session_id)
             if not keep_session and not self.down.is_set():
                 await self._release(session_id)
-            self._update_gauges()
 
     async def _steps(self, session: Session) -> AsyncIterator[StepEvent]:
         committed, features, position = [], None, session.kv_len

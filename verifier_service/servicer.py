@@ -13,7 +13,7 @@ import grpc
 
 from modeling.tree import TreeError
 from proto import common_pb2, verifier_pb2, verifier_pb2_grpc
-from verifier_service.engine.errors import CapacityError, InvalidRequest
+from verifier_service.engine.errors import CapacityError, InvalidRequest, PrefillStopped
 from verifier_service.engine.sampling import SamplingParams
 from verifier_service.engine.session import Session
 from verifier_service.engine.stopping import StopReason
@@ -25,6 +25,7 @@ DEFAULT_MAX_NEW_TOKENS = 256
 
 STATUS_OF = (
     (EngineDown, grpc.StatusCode.UNAVAILABLE),
+    (PrefillStopped, grpc.StatusCode.CANCELLED),
     (SessionBusy, grpc.StatusCode.FAILED_PRECONDITION),
     (CapacityError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     ((InvalidRequest, TreeError, ValueError), grpc.StatusCode.INVALID_ARGUMENT),
@@ -35,7 +36,12 @@ STOP_REASONS = {
     StopReason.LENGTH: common_pb2.STOP_REASON_LENGTH,
     StopReason.STOP_TOKEN: common_pb2.STOP_REASON_STOP_TOKEN,
     StopReason.STOP_STRING: common_pb2.STOP_REASON_STOP_STRING,
+    StopReason.CONTEXT_LIMIT: common_pb2.STOP_REASON_CONTEXT_LIMIT,
 }
+
+# NOTE: steps a generation may run ahead of its stream's writes; a reader that stalls holds the producer
+# here instead of letting finished steps (and their features) pile up.
+RUN_AHEAD_STEPS = 2
 
 
 def _status(error: Exception) -> grpc.StatusCode:
@@ -83,15 +89,18 @@ def params_from_pb(params: common_pb2.SamplingParams) -> SamplingParams:
     )
 
 
-async def run_ahead(events: AsyncIterator[T]) -> AsyncIterator[T]:
+async def run_ahead(events: AsyncIterator[T], limit: int = RUN_AHEAD_STEPS) -> AsyncIterator[T]:
     """The events of `events`, produced by a task of their own: the next step starts while the stream still
-    writes this one (a write waits for the transport, ~0.1-0.3 ms that would sit inside every step).
-    Closing this iterator cancels the producer and waits for it, so its cleanup has run when we return."""
+    writes this one (a write waits for the transport, ~0.1-0.3 ms that would sit inside every step), at most
+    `limit` events ahead. Closing this iterator cancels the producer and waits for it, so its cleanup has run
+    when we return."""
     queue: asyncio.Queue = asyncio.Queue()
+    room = asyncio.Semaphore(limit)
 
     async def produce() -> None:
         try:
             async for event in events:
+                await room.acquire()
                 queue.put_nowait((event, None))
         except BaseException as error:  # noqa: BLE001 - re-raised in the consumer
             queue.put_nowait((None, error))
@@ -108,6 +117,7 @@ async def run_ahead(events: AsyncIterator[T]) -> AsyncIterator[T]:
                 raise error
             if event is None:
                 return
+            room.release()
             yield event
     finally:
         producer.cancel()
@@ -166,6 +176,11 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         return self._session_pb(self.service.session(request.session_id))
 
     @maps_errors
+    async def RenewLeases(self, request, context):
+        return verifier_pb2.VerifierRenewLeasesReply(
+            unknown_session_ids=self.service.renew_leases(list(request.session_ids)))
+
+    @maps_errors
     async def Info(self, request, context):
         engine = self.service.engine
         return verifier_pb2.VerifierInfoReply(
@@ -173,4 +188,4 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             kv_capacity_pages=engine.pool.num_pages, free_pages=engine.pool.num_free,
             max_context=engine.max_context, vocab_size=engine.model_config.vocab_size,
             eos_token_ids=list(engine.model_config.eos_token_ids), active_sessions=len(engine.sessions),
-            max_tree_nodes=engine.config.max_tree_nodes)
+            max_tree_nodes=engine.config.max_tree_nodes, session_lease_s=self.service.leases.lease_s)

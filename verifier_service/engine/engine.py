@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,13 +19,17 @@ from verifier_service.engine.acceptance import accept_path
 from verifier_service.engine.attention import PagedVerifyAttention, make_backend
 from verifier_service.engine.block_table import BlockTable
 from verifier_service.engine.config import EngineConfig
-from verifier_service.engine.errors import CapacityError, InvalidRequest
+from verifier_service.engine.errors import CapacityError, InvalidRequest, PrefillStopped
 from verifier_service.engine.kv_cache import KVCache, TreeScratch
 from verifier_service.engine.page_pool import PagePool
 from verifier_service.engine.sampling import SamplingParams, choose_tokens
 from verifier_service.engine.session import Generation, Session
 from verifier_service.engine.stopping import StopChecker, StopReason
 from verifier_service.engine.verify_batch import BlockSpec, VerifyBatch, build_verify_batch
+
+
+def _never() -> bool:
+    return False
 
 
 @dataclass(frozen=True)
@@ -102,25 +107,27 @@ class Engine:
             raise KeyError(f"unknown session {session_id!r}")
         return self.sessions[session_id]
 
-    def create_session(self, prompt: list[int], session_id: str | None = None,
-                       feature_tail: int = 0) -> tuple[Session, torch.Tensor | None]:
+    def create_session(self, prompt: list[int], session_id: str | None = None, feature_tail: int = 0,
+                       should_stop: Callable[[], bool] = _never) -> tuple[Session, torch.Tensor | None]:
         """Prefill `prompt[:-1]` into fresh pages; returns the session and the features of the last
-        `feature_tail` prefilled tokens (the drafter's seed)."""
+        `feature_tail` prefilled tokens (the drafter's seed). On any error, PrefillStopped included, nothing
+        stays allocated."""
         session_id = session_id or secrets.token_hex(8)
         if session_id in self.sessions:
             raise InvalidRequest(f"session_id {session_id!r} already exists")
         if not prompt:
             raise InvalidRequest("prompt must contain at least one token")
         session = Session(session_id, [], BlockTable(self.pool, self.config.page_size))
-        features = self._extend(session, prompt, feature_tail)
+        features = self._extend(session, prompt, feature_tail, should_stop)
         self.sessions[session_id] = session
         return session, features
 
-    def extend_session(self, session_id: str, tokens: list[int], feature_tail: int = 0) -> torch.Tensor | None:
-        """Append a new turn; on error the session is unchanged."""
+    def extend_session(self, session_id: str, tokens: list[int], feature_tail: int = 0,
+                       should_stop: Callable[[], bool] = _never) -> torch.Tensor | None:
+        """Append a new turn; on error (PrefillStopped included) the session is unchanged."""
         if not tokens:
             raise InvalidRequest("tokens must contain at least one token")
-        return self._extend(self.session(session_id), tokens, feature_tail)
+        return self._extend(self.session(session_id), tokens, feature_tail, should_stop)
 
     def fork_session(self, session_id: str, new_id: str | None = None) -> Session:
         """A new session sharing every page of the source copy-on-write."""
@@ -154,7 +161,8 @@ class Engine:
 
     # ---- prefill --------------------------------------------------------------------------------
 
-    def _extend(self, session: Session, new_tokens: list[int], feature_tail: int) -> torch.Tensor | None:
+    def _extend(self, session: Session, new_tokens: list[int], feature_tail: int,
+                should_stop: Callable[[], bool]) -> torch.Tensor | None:
         vocab = self.model_config.vocab_size
         bad = next((t for t in new_tokens if not 0 <= t < vocab), None)
         if bad is not None:
@@ -167,14 +175,26 @@ class Engine:
             raise CapacityError(f"KV cache full: a prompt of {len(tokens)} tokens does not fit "
                                 f"({self.pool.num_free} pages free)")
         session.block_table.prepare_write(start, end, self.kv)
+        try:
+            features = self._prefill(session.block_table, tokens, start, end, feature_tail, should_stop)
+        except BaseException:
+            session.block_table.truncate(start)  # NOTE: positions before `start` were never touched
+            raise
+        session.tokens = tokens
+        return features
+
+    def _prefill(self, block_table: BlockTable, tokens: list[int], start: int, end: int, feature_tail: int,
+                 should_stop: Callable[[], bool]) -> torch.Tensor | None:
+        """Positions [start, end) into the pages, chunk by chunk; checks `should_stop` between chunks."""
         features = []
         for chunk_start in range(start, end, self.config.prefill_chunk):
+            if should_stop():
+                raise PrefillStopped(f"prefill stopped after {chunk_start - start} of {end - start} tokens")
             chunk = tokens[chunk_start:min(end, chunk_start + self.config.prefill_chunk)]
-            _, chunk_features = self.forward([BlockSpec.chain(chunk_start, chunk, session.block_table.pages)])
-            self.commit(list(range(len(chunk))), [session.block_table.slot(chunk_start + i) for i in range(len(chunk))])
+            _, chunk_features = self.forward([BlockSpec.chain(chunk_start, chunk, block_table.pages)])
+            self.commit(list(range(len(chunk))), [block_table.slot(chunk_start + i) for i in range(len(chunk))])
             if chunk_features is not None and feature_tail:
                 features.append(chunk_features[-feature_tail:])
-        session.tokens = tokens
         if not features:
             return None
         return torch.cat(features)[-feature_tail:]
@@ -209,7 +229,8 @@ class Engine:
             raise InvalidRequest(f"session {session.session_id!r} has no generation in progress")
         room = self.max_context - len(session.tokens)
         if room < 1:
-            raise InvalidRequest(f"session {session.session_id!r} has reached max_context {self.max_context}")
+            raise InvalidRequest(f"the session holds {len(session.tokens)} tokens: the model's context of "
+                                 f"{self.max_context} is full")
         return tree.truncated(room - 1)  # NOTE: the bonus token needs one position too
 
     def _targets(self, hidden: torch.Tensor, generations: list[Generation], offsets: list[int]) -> list[list[int]]:
@@ -252,7 +273,7 @@ class Engine:
             dst_slots += [s.block_table.slot(start + j) for j in range(len(rows))]
             s.tokens += emitted
             if reason is None and len(s.tokens) >= self.max_context:
-                reason = StopReason.LENGTH
+                reason = StopReason.CONTEXT_LIMIT
             results.append(StepResult(
                 session_id=s.session_id,
                 accepted=[tree.tokens[i] for i in path],

@@ -2,7 +2,7 @@
 
 from modeling.tree import TreeError
 
-__all__ = ["CapacityError", "InvalidRequest", "TreeError"]
+__all__ = ["CapacityError", "InvalidRequest", "PrefillStopped", "TreeError"]
 
 
 class CapacityError(RuntimeError):
@@ -11,3 +11,7 @@ class CapacityError(RuntimeError):
 
 class InvalidRequest(ValueError):
     """A request parameter is out of range; the message names the field (INVALID_ARGUMENT)."""
+
+
+class PrefillStopped(RuntimeError):
+    """The caller of a prefill went away; the prefill stopped between chunks and gave its pages back."""

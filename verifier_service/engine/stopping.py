@@ -12,6 +12,7 @@ class StopReason(str, Enum):
     LENGTH = "length"
     STOP_TOKEN = "stop_token"
     STOP_STRING = "stop_string"
+    CONTEXT_LIMIT = "context_limit"  # the session filled the model's context
 
 
 class StopChecker:
