@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 from gateway.metrics import GatewayMetrics
 from gateway.text import OutputText
-from proto import common_pb2, gateway_pb2, verifier_pb2
+from proto import gateway_pb2, verifier_pb2
 
 
 class Relay:
@@ -23,7 +23,7 @@ class Relay:
         self.first_token_at: float | None = None
         self.last_step_at = started
         self.session_tokens = 0
-        self.stop_reason = common_pb2.STOP_REASON_ERROR  # until a step says it finished
+        self.stop_reason: int | None = None  # until a step says it finished
 
     def chunk(self, step: verifier_pb2.VerifierGenerateStep) -> gateway_pb2.GenerateReply:
         now = self.clock()

@@ -7,16 +7,23 @@ from collections.abc import Sequence
 
 from gateway.config import GatewayConfig
 from gateway.errors import InvalidArgument
-from modeling.tokenizer import Tokenizer
 from proto import common_pb2
 
 
-def prompt_ids(text: str, token_ids: Sequence[int], tokenizer: Tokenizer, *, required: bool,
-               vocab_size: int | None, max_context: int | None) -> list[int]:
-    """The prompt as token ids: `text` tokenized, or `token_ids` checked against the model."""
+def check_prompt_text(text: str, token_ids: Sequence[int], max_bytes: int | None) -> None:
+    """The cheap checks, before any tokenization: one source, and not more bytes than a prompt that fits can
+    have (a tokenizer takes seconds over megabytes)."""
     if text and token_ids:
         raise InvalidArgument("text, token_ids: give one of them, not both")
-    ids = tokenizer.encode(text) if text else list(token_ids)
+    size = len(text.encode())
+    if max_bytes is not None and size > max_bytes:
+        raise InvalidArgument(f"text: {size} bytes cannot fit the model's context (at most {max_bytes})")
+
+
+def prompt_ids(ids: Sequence[int], *, required: bool, vocab_size: int | None,
+               max_context: int | None) -> list[int]:
+    """The prompt's token ids (tokenized text, or the request's token_ids) checked against the model."""
+    ids = list(ids)
     if required and not ids:
         raise InvalidArgument("text/token_ids: the prompt is empty")
     bad = next((t for t in ids if t < 0 or (vocab_size is not None and t >= vocab_size)), None)

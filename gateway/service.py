@@ -10,23 +10,22 @@ import asyncio
 import functools
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
 from typing import Any, NoReturn
 
 import grpc
 
 from gateway.auth import ApiKeys
-from gateway.core import GatewayCore
+from gateway.core import Caller, GatewayCore
 from gateway.errors import status_of
 from proto import gateway_pb2, gateway_pb2_grpc
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class Caller:
-    owner: str | None  # the API key's digest; None when keys are off
-    timeout: float | None  # seconds left of the caller's deadline, for downstream calls
+def peer_host(peer: str) -> str:
+    """The client's address without its port: `ipv4:10.0.0.7:53412` -> `ipv4:10.0.0.7`."""
+    kind, _, rest = peer.partition(":")
+    return f"{kind}:{rest.rpartition(':')[0]}" if kind in ("ipv4", "ipv6") else peer
 
 
 def _unary(method: Callable[[Any, Any, Caller], Awaitable[Any]]):
@@ -61,36 +60,35 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     @_stream
     async def Generate(self, request: gateway_pb2.GenerateRequest,
                        caller: Caller) -> AsyncIterator[gateway_pb2.GenerateReply]:
-        prompt = self.core.prompt(request.text, request.token_ids, required=not request.session)
+        prompt = await self.core.prompt(request.text, request.token_ids, required=not request.session)
         params = self.core.params(request.params)
-        async for reply in self.core.generate(caller.owner, prompt, params, request.session, request.keep_session,
-                                              caller.timeout):
+        async for reply in self.core.generate(caller, prompt, params, request.session, request.keep_session):
             yield reply
 
     @_unary
     async def CreateSession(self, request: gateway_pb2.CreateSessionRequest,
                             caller: Caller) -> gateway_pb2.CreateSessionReply:
-        prompt = self.core.prompt(request.text, request.token_ids, required=True)
-        return await self.core.create_session(caller.owner, prompt, caller.timeout)
+        prompt = await self.core.prompt(request.text, request.token_ids, required=True)
+        return await self.core.create_session(caller, prompt)
 
     @_unary
     async def ForkSession(self, request: gateway_pb2.ForkSessionRequest, caller: Caller) -> gateway_pb2.SessionInfo:
-        return await self.core.fork_session(caller.owner, request.session, caller.timeout)
+        return await self.core.fork_session(caller, request.session)
 
     @_unary
     async def ReleaseSession(self, request: gateway_pb2.ReleaseSessionRequest,
                              caller: Caller) -> gateway_pb2.ReleaseSessionReply:
-        await self.core.release_session(caller.owner, request.session)
+        await self.core.release_session(caller, request.session)
         return gateway_pb2.ReleaseSessionReply()
 
     @_unary
     async def GetSession(self, request: gateway_pb2.GetSessionRequest, caller: Caller) -> gateway_pb2.SessionInfo:
-        return await self.core.get_session(caller.owner, request.session, caller.timeout)
+        return await self.core.get_session(caller, request.session)
 
     @_unary
     async def ListSessions(self, request: gateway_pb2.ListSessionsRequest,
                            caller: Caller) -> gateway_pb2.ListSessionsReply:
-        return await self.core.list_sessions(caller.owner, caller.timeout)
+        return await self.core.list_sessions(caller)
 
     @_unary
     async def ListModels(self, request: gateway_pb2.ListModelsRequest, caller: Caller) -> gateway_pb2.ListModelsReply:
@@ -101,7 +99,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         return self.core.info(auth_required=self.keys.enabled)
 
     def _caller(self, context: grpc.aio.ServicerContext) -> Caller:
-        return Caller(self.keys.authenticate(context.invocation_metadata() or ()), context.time_remaining())
+        owner = self.keys.authenticate(context.invocation_metadata() or ())
+        account = peer_host(context.peer()) if self.core.config.quota_by == "peer" else owner
+        return Caller(owner, account, context.time_remaining())
 
     async def _abort(self, context: grpc.aio.ServicerContext, exc: Exception) -> NoReturn:
         if isinstance(exc, grpc.aio.AbortError):

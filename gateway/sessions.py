@@ -2,6 +2,9 @@
 
 Pure domain code (no gRPC): the servicer maps SessionNotFound to NOT_FOUND, SessionForbidden to
 PERMISSION_DENIED and TooManySessions to RESOURCE_EXHAUSTED.
+
+Each entry also names the quota account it counts against (the API key, or the client's address when quotas
+go by peer) and the KV tokens it holds or may add while a generation runs.
 """
 
 from __future__ import annotations
@@ -36,7 +39,15 @@ class SessionEntry:
     verifier: str  # address of the verifier holding the KV
     verifier_session_id: str
     last_used: float
+    account: str | None = None  # the quota account it counts against; None = the one shared account
+    tokens: int = 0  # the session's length as the verifier last reported it
+    reserved: int = 0  # tokens a running generation may still add (appended text + max_new_tokens)
     in_use: int = 0  # calls running on the session now; it never expires while > 0
+
+    @property
+    def kv_tokens(self) -> int:
+        """What the session counts against its account's KV quota."""
+        return self.tokens + self.reserved
 
 
 class SessionRegistry:
@@ -59,18 +70,24 @@ class SessionRegistry:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def can_create(self, owner: str | None) -> bool:
-        """Check before the (costly) prefill; `create` still enforces the limit."""
-        return len(self.owned_by(owner)) < self.max_sessions_per_key
+    def can_create(self, account: str | None) -> bool:
+        return len(self.of_account(account)) < self.max_sessions_per_key
 
-    def create(self, owner: str | None, verifier: str, verifier_session_id: str) -> SessionEntry:
+    def check_room(self, account: str | None) -> None:
+        """Raise TooManySessions when the account is full: checked before the (costly) prefill, and again
+        by `create`."""
+        if not self.can_create(account):
+            raise TooManySessions(f"session: this key already holds {self.max_sessions_per_key} sessions; "
+                                  "release one first")
+
+    def create(self, owner: str | None, verifier: str, verifier_session_id: str, *, account: str | None,
+               tokens: int = 0) -> SessionEntry:
         """Register a verifier session under a fresh handle. On TooManySessions the caller still
         owns the verifier session and must release it."""
-        if not self.can_create(owner):
-            raise TooManySessions(f"this key already holds {self.max_sessions_per_key} sessions; "
-                                  "release one first")
+        self.check_room(account)
         handle = secrets.token_hex(HANDLE_BYTES)
-        entry = SessionEntry(handle, owner, verifier, verifier_session_id, last_used=self._clock())
+        entry = SessionEntry(handle, owner, verifier, verifier_session_id, last_used=self._clock(), account=account,
+                             tokens=tokens)
         self._entries[handle] = entry
         return entry
 
@@ -106,6 +123,26 @@ class SessionRegistry:
         now = self._clock()
         mine = [e for e in self._entries.values() if e.owner == owner and not self._expired(e, now)]
         return sorted(mine, key=lambda e: e.last_used)
+
+    def of_account(self, account: str | None) -> list[SessionEntry]:
+        """The live sessions that count against `account`'s quotas."""
+        now = self._clock()
+        return [e for e in self._entries.values() if e.account == account and not self._expired(e, now)]
+
+    def kv_tokens(self, account: str | None) -> int:
+        return sum(e.kv_tokens for e in self.of_account(account))
+
+    def on_verifier(self, verifier: str) -> list[SessionEntry]:
+        return [e for e in self._entries.values() if e.verifier == verifier]
+
+    def drop_unknown(self, verifier: str, unknown_session_ids: list[str]) -> list[SessionEntry]:
+        """Forget idle entries whose session the verifier no longer holds (it restarted, or their lease ran
+        out); returns them. An entry in use keeps its call's own view until the call ends."""
+        gone = set(unknown_session_ids)
+        dropped = [e for e in self.on_verifier(verifier) if e.verifier_session_id in gone and not e.in_use]
+        for entry in dropped:
+            del self._entries[entry.handle]
+        return dropped
 
     def idle_for(self, entry: SessionEntry) -> float:
         """Seconds since the last call on the session (0 while one runs)."""

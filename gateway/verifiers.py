@@ -6,6 +6,7 @@ import asyncio
 from collections.abc import Sequence
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.errors import NoVerifier
 from proto import verifier_pb2, verifier_pb2_grpc
@@ -13,8 +14,8 @@ from proto import verifier_pb2, verifier_pb2_grpc
 
 class VerifierPool:
     """One channel per verifier address. A new session goes to the verifier with the most free KV
-    pages by its last Info (ties, and verifiers not heard from yet, in turn); a session's later
-    calls go to the verifier recorded in its registry entry, never through `pick`.
+    pages by its last Info, among those that answer and call themselves SERVING (ties in turn); a
+    session's later calls go to the verifier recorded in its registry entry, never through `pick`.
 
     NOTE: create it inside the running event loop (grpc.aio channels bind to it).
     """
@@ -23,6 +24,7 @@ class VerifierPool:
         self.addresses = tuple(addresses)
         self._channels = {a: grpc.aio.insecure_channel(a, options=list(channel_options)) for a in self.addresses}
         self._stubs = {a: verifier_pb2_grpc.VerifierStub(c) for a, c in self._channels.items()}
+        self._health = {a: health_pb2_grpc.HealthStub(c) for a, c in self._channels.items()}
         self.infos: dict[str, verifier_pb2.VerifierInfoReply | None] = dict.fromkeys(self.addresses)
         self._turn = 0
 
@@ -34,12 +36,18 @@ class VerifierPool:
         return [a for a, info in self.infos.items() if info is not None]
 
     async def poll(self, timeout_s: float) -> None:
-        """Ask every verifier for its Info; one that does not answer counts as down until it does."""
-        replies = await asyncio.gather(
-            *(self._stubs[a].Info(verifier_pb2.VerifierInfoRequest(), timeout=timeout_s) for a in self.addresses),
-            return_exceptions=True)
+        """Ask every verifier for its Info and health; one that does not answer, or is NOT_SERVING (a lost
+        tensor-parallel rank), counts as down until it serves again."""
+        replies = await asyncio.gather(*(self._serving_info(a, timeout_s) for a in self.addresses),
+                                       return_exceptions=True)
         for address, reply in zip(self.addresses, replies):
             self.infos[address] = None if isinstance(reply, BaseException) else reply
+
+    async def _serving_info(self, address: str, timeout_s: float) -> verifier_pb2.VerifierInfoReply | None:
+        info, health = await asyncio.gather(
+            self._stubs[address].Info(verifier_pb2.VerifierInfoRequest(), timeout=timeout_s),
+            self._health[address].Check(health_pb2.HealthCheckRequest(), timeout=timeout_s))
+        return info if health.status == health_pb2.HealthCheckResponse.SERVING else None
 
     def model(self) -> verifier_pb2.VerifierInfoReply:
         """The model as an answering verifier describes it (all serve the same checkpoint)."""
@@ -49,12 +57,18 @@ class VerifierPool:
         return self.infos[up[0]]
 
     def pick(self) -> str:
-        """The address for a new session."""
-        candidates = self.up or list(self.addresses)
+        """The address for a new session; NoVerifier when none serves (the caller retries later)."""
+        candidates = self.up
+        if not candidates:
+            raise NoVerifier("no verifier is serving now; retry later")
         most_free = max(self._free_pages(a) for a in candidates)
         best = [a for a in candidates if self._free_pages(a) == most_free]
         self._turn += 1
         return best[self._turn % len(best)]
+
+    def kv_capacity_tokens(self) -> int:
+        """KV tokens the serving verifiers hold in all (what quotas divide)."""
+        return sum(info.kv_capacity_pages * info.page_size for info in self.infos.values() if info is not None)
 
     def _free_pages(self, address: str) -> int:
         info = self.infos[address]

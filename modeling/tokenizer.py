@@ -24,19 +24,32 @@ class Tokenizer:
     def decode(self, ids: list[int]) -> str:
         return self.inner.decode(ids, skip_special_tokens=False)
 
+    def max_token_bytes(self) -> int:
+        """An upper bound on the UTF-8 bytes of text one token covers (its vocabulary entry's own bytes: a
+        byte-level entry spells each byte as one character, a sentencepiece one each space as three bytes)."""
+        return max(len(token.encode()) for token in self.inner.get_vocab(with_added_tokens=True))
+
 
 class TextStream:
-    """Turns a growing list of token ids into text deltas, holding back incomplete UTF-8 sequences."""
+    """Turns a growing list of token ids into text deltas, holding back incomplete UTF-8 sequences.
+
+    Each push decodes only the tokens since the last complete delta plus a few before them (a token's text
+    can depend on its neighbours, e.g. a leading space): the cost per push does not grow with the output."""
+
+    CONTEXT_TOKENS = 5
 
     def __init__(self, tokenizer: Tokenizer):
         self.tokenizer = tokenizer
         self.ids: list[int] = []
-        self.text = ""  # text already handed out
+        self.prefix_offset = 0  # ids[prefix_offset:read_offset] give context, already handed out
+        self.read_offset = 0  # ids from here on are not handed out yet
 
     def push(self, new_ids: list[int]) -> str:
         self.ids.extend(new_ids)
-        full = self.tokenizer.decode(self.ids)
-        if full.endswith("\ufffd"):
+        seen = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset])
+        text = self.tokenizer.decode(self.ids[self.prefix_offset:])
+        if len(text) <= len(seen) or text.endswith("\ufffd"):
             return ""  # a multi-byte character is still being completed
-        delta, self.text = full[len(self.text):], full
-        return delta
+        self.prefix_offset = max(self.read_offset, len(self.ids) - self.CONTEXT_TOKENS)
+        self.read_offset = len(self.ids)
+        return text[len(seen):]

@@ -28,8 +28,9 @@ from gateway.config import GatewayConfig
 from gateway.server import RunningGateway, start
 from gateway.text import OutputText
 from modeling.tiny import byte_level_tokenizer
-from modeling.tokenizer import Tokenizer
+from modeling.tokenizer import TextStream, Tokenizer
 from proto import common_pb2, verifier_pb2, verifier_pb2_grpc
+from proto.serving import add_health_and_reflection, mark_serving
 
 REPLY = "Hello, world! The END is near; more text follows. "
 REPLY_IDS = list(REPLY.encode())  # the byte-level tokenizer: token id b is byte b
@@ -52,6 +53,7 @@ class FakeVerifier(verifier_pb2_grpc.VerifierServicer):
         self.fail_mid_stream = False
         self.step_delay_s = 0.0
         self.reserved_pages = 0
+        self.renewed: list[str] = []
         self._ids = 0
 
     async def _maybe_fail(self, method: str, context: grpc.aio.ServicerContext) -> None:
@@ -92,6 +94,11 @@ class FakeVerifier(verifier_pb2_grpc.VerifierServicer):
     async def GetSession(self, request, context):
         await self._session(request.session_id, context)
         return self._info(request.session_id)
+
+    async def RenewLeases(self, request, context):
+        self.renewed.extend(request.session_ids)
+        return verifier_pb2.VerifierRenewLeasesReply(
+            unknown_session_ids=[sid for sid in request.session_ids if sid not in self.sessions])
 
     async def Info(self, request, context):
         used = sum(math.ceil(len(t) / PAGE) for t in self.sessions.values()) + self.reserved_pages
@@ -155,6 +162,8 @@ class Stack:
         async def serve() -> tuple[FakeVerifier, str]:
             fake, server = FakeVerifier(), grpc.aio.server()
             verifier_pb2_grpc.add_VerifierServicer_to_server(fake, server)
+            fake.health = add_health_and_reflection(server, [])
+            await mark_serving(fake.health, [])
             port = server.add_insecure_port("127.0.0.1:0")
             await server.start()
             self.servers.append(server)
@@ -197,6 +206,9 @@ def env(tmp_path_factory: pytest.TempPathFactory):
         keyed=stack.gateway(keys=("k-alice", "k-bob"), verifiers=(addr_a,), **common),
         # one verifier (fake_b), sessions expire fast
         short=stack.gateway(verifiers=(addr_b,), session_idle_ttl_s=0.4, **common),
+        # one verifier (fake_b), no auth, quotas per client address, a quarter of the KV each, short prompts
+        by_peer=stack.gateway(verifiers=(addr_b,), quota_by="peer", kv_share_per_key=0.25, max_prompt_bytes=1000,
+                              **common),
     )
     yield ns
     stack.close()
@@ -350,17 +362,20 @@ def test_verifier_status_passes_through(env) -> None:
         assert c.list_sessions() == [] and not fake_a.sessions  # the failed one-shot was released
 
 
-def test_failure_mid_stream_ends_with_an_error_summary(env) -> None:
+def test_failure_mid_stream_ends_the_stream_with_its_status(env) -> None:
+    """The chunks sent before the failure stand; the call ends UNAVAILABLE (not OK with an error summary), and
+    the message names no verifier address or session."""
     fake_a = env.fakes[0]
     fake_a.fail_mid_stream = True
     try:
         with client(env.keyed, api_key="k-alice") as c:
             generation = c.generate("abc", max_new_tokens=50)
-            summary = generation.result()
+            error = expect_error(Code.UNAVAILABLE, generation.result, "retry")
     finally:
         fake_a.fail_mid_stream = False
-    assert summary.stop_reason == common_pb2.STOP_REASON_ERROR
-    assert generation.token_ids == REPLY_IDS[:3] and summary.steps == 2
+    assert generation.token_ids == REPLY_IDS[:3] and generation.summary is None
+    assert "GPU" not in error.details() and "127.0.0.1" not in error.details()
+    assert wait_for(lambda: not fake_a.sessions)  # the one-shot session is released
 
 
 def test_cancelled_client_cancels_the_verifier_stream(env) -> None:
@@ -481,3 +496,93 @@ def test_gateway_and_client_import_no_torch() -> None:
     code = ("import sys, gateway.server, gateway.service, ddtree.client, ddtree.client_cli; "
             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[1])
+
+
+def test_leases_are_renewed_and_handles_the_verifier_lost_are_dropped(env) -> None:
+    fake_b = env.fakes[1]
+    with client(env.by_peer) as c:
+        kept, lost = (c.create_session("abc").session.session for _ in range(2))
+        env.stack.run(env.by_peer.core.refresh())
+        held = set(fake_b.sessions)
+        assert held <= set(fake_b.renewed)
+        lost_id = env.by_peer.core.registry.peek(lost, None).verifier_session_id
+        del fake_b.sessions[lost_id]  # as after a verifier restart, or a lease that ran out there
+        env.stack.run(env.by_peer.core.refresh())
+        expect_error(Code.NOT_FOUND, lambda: c.get_session(lost), "session")
+        assert c.get_session(kept).num_tokens == 3
+        c.release_session(kept)
+
+
+def test_kv_quota_per_key_spares_the_other_keys(env) -> None:
+    """fake_a holds 16000 KV tokens; a key may hold half: prompts, appended text and max_new_tokens count."""
+    with client(env.keyed, api_key="k-alice") as alice, client(env.keyed, api_key="k-bob") as bob:
+        first = alice.create_session(token_ids=[97] * 3000).session.session
+        second = alice.create_session(token_ids=[97] * 3000).session.session
+        expect_error(Code.RESOURCE_EXHAUSTED, lambda: alice.create_session(token_ids=[97] * 3000), "kv quota")
+        expect_error(Code.RESOURCE_EXHAUSTED, lambda: alice.generate("x", session=first, max_new_tokens=2500),
+                     "kv quota")
+        expect_error(Code.RESOURCE_EXHAUSTED, lambda: alice.fork_session(first), "kv quota")
+        other = bob.create_session(token_ids=[97] * 3000).session.session  # bob's share is untouched
+        alice.generate("x", session=first, max_new_tokens=100).result()
+        for handle, owner in ((first, alice), (second, alice), (other, bob)):
+            owner.release_session(handle)
+        alice.create_session(token_ids=[97] * 3000)  # room again
+        for info in alice.list_sessions():
+            alice.release_session(info.session)
+
+
+def test_quotas_by_peer_apply_without_keys(env) -> None:
+    with client(env.by_peer) as c:
+        handle = c.create_session(token_ids=[97] * 3000).session.session  # a quarter of 16000 is 4000
+        expect_error(Code.RESOURCE_EXHAUSTED, lambda: c.create_session(token_ids=[97] * 3000), "kv quota")
+        c.release_session(handle)
+
+
+def test_oversized_text_is_refused_by_its_bytes(env) -> None:
+    with client(env.by_peer) as c:
+        expect_error(Code.INVALID_ARGUMENT, lambda: c.create_session("é" * 501), "text", "1002 bytes")
+        c.release_session(c.create_session("x" * 1000).session.session)
+
+
+def test_verifier_internals_never_reach_the_client(env) -> None:
+    fake_a = env.fakes[0]
+    with client(env.keyed, api_key="k-alice") as c:
+        for code, fragment in ((Code.UNAVAILABLE, "retry"), (Code.INTERNAL, "INTERNAL"),
+                               (Code.NOT_FOUND, "session")):
+            fake_a.fail_next["CreateSession"] = code
+            error = expect_error(code, lambda: c.create_session("abc"), fragment)
+            assert "fake" not in error.details()
+
+
+def test_text_stream_decodes_incrementally_and_exactly(env) -> None:
+    tokenizer = Tokenizer.from_dir(env.tokenizer_dir)
+    text = "héllo wörld, 日本語 and more " * 40
+    decoded_lengths: list[int] = []
+    decode = tokenizer.decode
+    tokenizer.decode = lambda ids: decoded_lengths.append(len(ids)) or decode(ids)
+    stream = TextStream(tokenizer)
+    deltas = [stream.push([b]) for b in text.encode()]
+    assert "".join(deltas) == text
+    assert max(decoded_lengths) <= 2 * TextStream.CONTEXT_TOKENS + 4  # not the whole output each time
+
+
+def test_new_sessions_avoid_a_verifier_that_is_not_serving(env) -> None:
+    fake_a, fake_b = env.fakes
+    not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
+    env.stack.run(fake_a.health.set("", not_serving))
+    env.stack.run(env.plain.core.refresh())
+    try:
+        with client(env.plain) as c:
+            handles = [c.create_session("x").session.session for _ in range(3)]
+            assert len(fake_b.sessions) == 3 and not fake_a.sessions
+            for handle in handles:
+                c.release_session(handle)
+            env.stack.run(fake_b.health.set("", not_serving))
+            env.stack.run(env.plain.core.refresh())
+            started = time.monotonic()
+            expect_error(Code.UNAVAILABLE, lambda: c.create_session("x"), "retry")
+            assert time.monotonic() - started < 1.0
+    finally:
+        for fake in env.fakes:
+            env.stack.run(fake.health.set("", health_pb2.HealthCheckResponse.SERVING))
+        env.stack.run(env.plain.core.refresh())

@@ -29,8 +29,8 @@ def registry(clock: Clock) -> SessionRegistry:
 
 
 def test_handles_are_opaque_unique_and_map_to_the_verifier_session(registry: SessionRegistry) -> None:
-    a = registry.create("alice", "verifier-0:50051", "v-1")
-    b = registry.create("alice", "verifier-1:50051", "v-1")
+    a = registry.create("alice", "verifier-0:50051", "v-1", account="alice")
+    b = registry.create("alice", "verifier-1:50051", "v-1", account="alice")
     assert a.handle != b.handle and len(a.handle) >= 32
     assert "v-1" not in a.handle and "verifier" not in a.handle
     got = registry.get(b.handle, "alice")
@@ -43,7 +43,7 @@ def test_unknown_handle_is_not_found(registry: SessionRegistry) -> None:
 
 
 def test_another_keys_handle_is_forbidden(registry: SessionRegistry) -> None:
-    entry = registry.create("alice", "v:1", "s")
+    entry = registry.create("alice", "v:1", "s", account="alice")
     for intruder in ("bob", None):
         with pytest.raises(SessionForbidden, match="another API key"):
             registry.get(entry.handle, intruder)
@@ -53,9 +53,9 @@ def test_another_keys_handle_is_forbidden(registry: SessionRegistry) -> None:
 
 
 def test_idle_session_expires_and_is_handed_back_once(registry: SessionRegistry, clock: Clock) -> None:
-    old = registry.create("alice", "v:1", "old")
+    old = registry.create("alice", "v:1", "old", account="alice")
     clock.now += TTL / 2
-    fresh = registry.create("alice", "v:1", "fresh")
+    fresh = registry.create("alice", "v:1", "fresh", account="alice")
     clock.now += TTL / 2 + 1
     with pytest.raises(SessionNotFound):
         registry.get(old.handle, "alice")
@@ -66,7 +66,7 @@ def test_idle_session_expires_and_is_handed_back_once(registry: SessionRegistry,
 
 
 def test_use_restarts_the_idle_timer(registry: SessionRegistry, clock: Clock) -> None:
-    entry = registry.create("alice", "v:1", "s")
+    entry = registry.create("alice", "v:1", "s", account="alice")
     for _ in range(3):
         clock.now += TTL - 1
         registry.get(entry.handle, "alice")
@@ -75,7 +75,7 @@ def test_use_restarts_the_idle_timer(registry: SessionRegistry, clock: Clock) ->
 
 
 def test_session_in_use_never_expires(registry: SessionRegistry, clock: Clock) -> None:
-    entry = registry.create("alice", "v:1", "s")
+    entry = registry.create("alice", "v:1", "s", account="alice")
     with registry.using(entry.handle, "alice"):
         clock.now += 10 * TTL  # a long generation
         assert registry.expire_idle() == []
@@ -86,11 +86,11 @@ def test_session_in_use_never_expires(registry: SessionRegistry, clock: Clock) -
 
 
 def test_too_many_sessions_per_key(registry: SessionRegistry, clock: Clock) -> None:
-    first = registry.create("alice", "v:1", "a")
-    registry.create("alice", "v:1", "b")
+    first = registry.create("alice", "v:1", "a", account="alice")
+    registry.create("alice", "v:1", "b", account="alice")
     assert not registry.can_create("alice")
     with pytest.raises(TooManySessions, match="2 sessions"):
-        registry.create("alice", "v:1", "c")
+        registry.create("alice", "v:1", "c", account="alice")
     assert registry.can_create("bob")  # the limit is per key
     registry.remove(first.handle, "alice")
     assert registry.can_create("alice")
@@ -99,17 +99,17 @@ def test_too_many_sessions_per_key(registry: SessionRegistry, clock: Clock) -> N
 
 
 def test_removed_handle_is_gone(registry: SessionRegistry) -> None:
-    entry = registry.create(None, "v:1", "s")
+    entry = registry.create(None, "v:1", "s", account=None)
     assert registry.remove(entry.handle, None) is entry
     with pytest.raises(SessionNotFound):
         registry.remove(entry.handle, None)
 
 
 def test_listing_shows_only_the_owners_live_sessions(registry: SessionRegistry, clock: Clock) -> None:
-    a = registry.create("alice", "v:1", "a")
-    registry.create("bob", "v:1", "b")
+    a = registry.create("alice", "v:1", "a", account="alice")
+    registry.create("bob", "v:1", "b", account="bob")
     clock.now += 1
-    a2 = registry.create("alice", "v:1", "a2")
+    a2 = registry.create("alice", "v:1", "a2", account="alice")
     assert registry.owned_by("alice") == [a, a2]
     assert registry.owned_by(None) == []
     clock.now += TTL

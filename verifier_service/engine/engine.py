@@ -226,7 +226,7 @@ class Engine:
     def _check_tree(self, session: Session, tree: DraftTree) -> DraftTree:
         tree.validate(self.model_config.vocab_size, self.config.max_tree_nodes)
         if session.generation is None:
-            raise InvalidRequest(f"session {session.session_id!r} has no generation in progress")
+            raise InvalidRequest("the session has no generation in progress")
         room = self.max_context - len(session.tokens)
         if room < 1:
             raise InvalidRequest(f"the session holds {len(session.tokens)} tokens: the model's context of "
