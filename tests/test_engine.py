@@ -12,7 +12,7 @@ from modeling.graph_capture import buckets
 from modeling.tree import DraftTree, TreeError
 from tests.engine_helpers import GREEDY, make_engine, plain_generate, random_tree, run_to_end
 from verifier_service.engine.cuda_graphs import Buckets
-from verifier_service.engine.errors import CapacityError, InvalidRequest
+from verifier_service.engine.errors import CapacityError, InvalidRequest, PrefillStopped
 from verifier_service.engine.sampling import SamplingParams
 from verifier_service.engine.stopping import StopReason
 from verifier_service.engine.verify_batch import BlockSpec, build_verify_batch
@@ -144,6 +144,40 @@ def test_prompt_errors_name_the_field(new_engine) -> None:
         session, _ = engine.create_session([1, 2, 3])
         with pytest.raises(InvalidRequest, match=field):
             engine.start_generation(session.session_id, SamplingParams(**bad))
+
+
+def test_a_stopped_or_failed_prefill_gives_every_page_back(new_engine) -> None:
+    """A prefill stops between chunks once its caller is gone (or fails in a forward): a new session leaves
+    nothing allocated, an extended one is left exactly as it was and still generates the same tokens."""
+    engine = new_engine()
+    free = engine.pool.num_free
+    chunks = iter([False, False, True])
+    with pytest.raises(PrefillStopped):
+        engine.create_session(prompt_of(100), should_stop=lambda: next(chunks))  # stops at the third chunk
+    assert engine.pool.num_free == free and not engine.sessions
+    session, _ = engine.create_session(prompt_of(40))
+    held, tokens = list(session.block_table.pages), list(session.tokens)
+    chunks = iter([False, True])
+    with pytest.raises(PrefillStopped):
+        engine.extend_session(session.session_id, prompt_of(60, seed=2), should_stop=lambda: next(chunks))
+    assert session.block_table.pages == held and session.tokens == tokens
+    forward, calls = engine.forward, []
+
+    def failing_forward(blocks):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("a forward failed")
+        return forward(blocks)
+    engine.forward = failing_forward
+    with pytest.raises(RuntimeError, match="forward failed"):
+        engine.extend_session(session.session_id, prompt_of(60, seed=2))
+    engine.forward = forward
+    assert session.block_table.pages == held and session.tokens == tokens
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    engine.start_generation(session.session_id, params)
+    got, _ = run_to_end(engine, session.session_id, lambda _: DraftTree.empty())
+    engine.release_session(session.session_id)
+    assert got == plain_generate(engine, tokens, params) and engine.pool.num_free == free
 
 
 def test_generation_stops_at_max_context(new_engine) -> None:

@@ -165,3 +165,32 @@ def test_a_drafter_that_reads_features_gets_its_graphs_captured_before_the_first
 
     asyncio.run(main())
     assert warmed == [((), 8), ((1, 2), 8)]
+
+
+def test_a_cancelled_prefill_and_a_lapsed_lease_release_their_sessions(tiny_target) -> None:
+    """CreateSession's caller goes away mid-prefill: the prefill stops at its next chunk and nothing stays.
+    A session nobody renews is released once its lease runs out; a renewed one stays."""
+    engine = make_engine(tiny_target)
+    forward = engine.forward
+    engine.forward = lambda blocks: time.sleep(0.05) or forward(blocks)  # ~0.05 s per 24-token chunk
+
+    async def main() -> None:
+        service = VerifierService(engine, None, VerifierMetrics(), lease_s=0.6)
+        await service.start()
+        creating = asyncio.ensure_future(service.create_session(list(range(1, 250))))
+        await asyncio.sleep(0.12)
+        creating.cancel()
+        await asyncio.gather(creating, return_exceptions=True)
+        for _ in range(50):
+            if not service.background:
+                break
+            await asyncio.sleep(0.02)
+        assert not engine.sessions and engine.pool.num_free == engine.pool.num_pages
+        kept, lapsed = [(await service.create_session(PROMPT)).session_id for _ in range(2)]
+        for _ in range(8):
+            assert service.renew_leases([kept, "no-such-session"]) == ["no-such-session"]
+            await asyncio.sleep(0.2)
+        assert set(engine.sessions) == {kept}
+        await service.stop()
+
+    asyncio.run(main())
