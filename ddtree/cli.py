@@ -5,8 +5,13 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import TYPE_CHECKING, NoReturn
 
-from ddtree.client_cli import add_client_commands
+from ddtree.client_cli import add_client_commands, for_terminal
+from ddtree.local_stack import add_forwarded_options, forwarded_args
+
+if TYPE_CHECKING:
+    from ddtree.offline import OfflineResult
 
 
 def _make_tiny_model(args: argparse.Namespace) -> None:
@@ -19,8 +24,33 @@ def _make_tiny_model(args: argparse.Namespace) -> None:
     print(f"tiny target: {target}\ntiny DFlash drafter: {drafter}")
 
 
+def _fail(message: str, status: int = 2) -> NoReturn:
+    """A failure the user can fix: one line, no traceback (status 2, as argparse's, for bad parameters)."""
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(status)
+
+
 def _offline(args: argparse.Namespace) -> None:
     import json
+
+    from proto.serving import describe
+
+    try:
+        result = _run_offline(args)
+    except (ValueError, OSError) as error:  # NOTE: bad values and missing checkpoints; their messages name them
+        _fail(describe(error))
+    if args.json:
+        print(json.dumps(result.to_json()))
+    else:
+        summary = result.to_json()
+        print(for_terminal(result.text))
+        print(f"\n[{len(result.token_ids)} tokens, {summary['steps']} steps, mean acceptance "
+              f"{summary['mean_acceptance_length']:.2f}, {result.tokens_per_s:.1f} tokens/s, "
+              f"stop: {result.stop_reason}]", file=sys.stderr)
+
+
+def _run_offline(args: argparse.Namespace) -> OfflineResult:
+    import torch
 
     from ddtree.offline import generate_offline
     from drafter_service.server import load_drafter
@@ -29,6 +59,8 @@ def _offline(args: argparse.Namespace) -> None:
     from verifier_service.engine.engine import Engine
     from verifier_service.engine.sampling import SamplingParams
 
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--device {args.device}: this machine (torch {torch.__version__}) has no CUDA device")
     dtype = args.dtype or ModelConfig.from_dir(args.target).torch_dtype
     engine = Engine.from_checkpoint(args.target, EngineConfig(
         page_size=args.page_size, kv_budget_bytes=args.kv_budget_mb << 20, dtype=dtype, device=args.device,
@@ -37,22 +69,22 @@ def _offline(args: argparse.Namespace) -> None:
     if args.drafter != "none":
         drafter = load_drafter(args.drafter, args.target, args.device, dtype, args.context_window or None)
     if args.prompt_ids:
-        prompt = [int(t) for t in args.prompt_ids.split(",")]
+        prompt = _token_ids(args.prompt_ids)
     elif engine.tokenizer is not None:
         prompt = engine.tokenizer.encode(args.prompt)
     else:
-        raise SystemExit("the target has no tokenizer.json: pass --prompt-ids")
+        raise ValueError("the target has no tokenizer.json: pass --prompt-ids")
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                             max_new_tokens=args.max_new_tokens, ignore_eos=args.ignore_eos)
-    result = generate_offline(engine, drafter, prompt, params, args.tree_budget)
-    if args.json:
-        print(json.dumps(result.to_json()))
-    else:
-        summary = result.to_json()
-        print(result.text)
-        print(f"\n[{len(result.token_ids)} tokens, {summary['steps']} steps, mean acceptance "
-              f"{summary['mean_acceptance_length']:.2f}, {result.tokens_per_s:.1f} tokens/s, "
-              f"stop: {result.stop_reason}]", file=sys.stderr)
+    # NOTE: the engine checks the sampling parameters and the prompt's ids against the vocabulary (ValueError)
+    return generate_offline(engine, drafter, prompt, params, args.tree_budget)
+
+
+def _token_ids(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.split(",")]
+    except ValueError:
+        raise ValueError(f"--prompt-ids takes comma-separated token ids, got {text!r}") from None
 
 
 DEMO_PROMPT = "The cat sat on the mat. The cat sat on the mat. The cat"
@@ -61,23 +93,34 @@ DEMO_PROMPT = "The cat sat on the mat. The cat sat on the mat. The cat"
 def _serve(args: argparse.Namespace) -> None:
     import signal
 
-    from ddtree.local_stack import LocalStack, ensure_tiny_model
+    from ddtree.client import GatewayError
+    from ddtree.local_stack import LocalStack, StartFailed, ensure_tiny_model
 
     target, drafter = args.target, args.drafter
     if target is None:
         tiny_target, tiny_drafter = ensure_tiny_model()
         target, drafter = str(tiny_target), drafter or str(tiny_drafter)
-    stack = LocalStack(target, drafter or "ngram", args.drafters, args.device, args.listen, log_dir=args.log_dir)
-    print(f"starting {args.drafters} drafter(s) ({stack.drafter}), verifier and gateway for {target} ...",
-          file=sys.stderr)
-    with stack:
-        print(f"gateway listening on {args.listen}", flush=True)
-        if args.demo:
-            _demo(args.listen)
-            return
-        # NOTE: block only now: children inherit the signal mask, and they must stay stoppable.
-        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
-        signal.sigwait({signal.SIGINT, signal.SIGTERM})
+    forwarded = forwarded_args(args)
+    stack = LocalStack(target, drafter or "ngram", args.drafters, args.device, args.listen,
+                       verifier_args=forwarded["verifier"], drafter_args=forwarded["drafter"],
+                       gateway_args=forwarded["gateway"], log_dir=args.log_dir)
+    print(f"starting {args.drafters} drafter(s) ({stack.drafter}), verifier and gateway for {target} "
+          f"(logs in {stack.log_dir}) ...", file=sys.stderr)
+    try:
+        with stack:
+            print(f"gateway listening on {args.listen}", flush=True)
+            if args.demo:
+                _demo(args.listen)
+                return
+            # NOTE: block only now: children inherit the signal mask, and they must stay stoppable.
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+            signal.sigwait({signal.SIGINT, signal.SIGTERM})
+    except StartFailed as error:
+        _fail(str(error), status=1)
+    except GatewayError as error:
+        _fail(f"the demo request failed: {error} (logs in {stack.log_dir})", status=1)
+    except KeyboardInterrupt:  # while starting: the stack is stopped already
+        raise SystemExit(130) from None
 
 
 def _demo(gateway: str) -> None:
@@ -86,7 +129,7 @@ def _demo(gateway: str) -> None:
     generation = Client(gateway).generate(DEMO_PROMPT, max_new_tokens=32)
     print(f"> {DEMO_PROMPT}")
     for chunk in generation:
-        print(chunk.text, end="", flush=True)
+        print(for_terminal(chunk.text), end="", flush=True)
     summary = generation.summary
     print(f"\n[{summary.generated_tokens} tokens, mean acceptance {summary.mean_acceptance_length:.2f}, "
           f"TTFT {summary.ttft_ms:.0f} ms, {summary.tokens_per_second:.1f} tokens/s]")
@@ -131,8 +174,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--drafters", type=int, default=1, help="drafter replicas")
     serve.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     serve.add_argument("--listen", default="127.0.0.1:50051", help="the gateway's address")
-    serve.add_argument("--log-dir", help="write each process's log here")
+    serve.add_argument("--log-dir", help="write each process's log here (created if missing; default: a new "
+                       "temporary directory)")
     serve.add_argument("--demo", action="store_true", help="send one sample request, print it, stop")
+    add_forwarded_options(serve)
     serve.set_defaults(run=_serve)
 
     add_client_commands(commands)

@@ -5,13 +5,26 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 from collections.abc import Callable
+from typing import TextIO
 
 from google.protobuf.json_format import MessageToDict
 
 from ddtree.client import DEFAULT_GATEWAY, Client, GatewayError
 from proto import common_pb2
+
+# C0 and C1 controls and DEL, newline and tab aside: what lets text move the cursor, retitle a window or ring
+_CONTROL_CHARACTERS = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def for_terminal(text: str, stream: TextIO | None = None) -> str:
+    """Model output as printed to `stream` (default stdout): on a terminal its control characters are escaped
+    (ESC as \\x1b), so generated text cannot drive the terminal; to a pipe or file it goes unchanged."""
+    if not (stream or sys.stdout).isatty():
+        return text
+    return _CONTROL_CHARACTERS.sub(lambda match: f"\\x{ord(match.group()):02x}", text)
 
 
 def add_client_commands(subparsers: argparse._SubParsersAction) -> None:
@@ -71,7 +84,7 @@ def _generate(args: argparse.Namespace, client: Client) -> None:
     try:
         for chunk in generation:
             if not args.json:
-                print(chunk.text, end="", flush=True)
+                print(for_terminal(chunk.text), end="", flush=True)
     except KeyboardInterrupt:
         generation.cancel()
         raise SystemExit(130) from None

@@ -2,19 +2,78 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from proto.serving import BindError, check_bindable
+
 TINY_MODEL_DIR = Path(os.environ.get("DDTREE_CACHE", Path.home() / ".cache" / "ddtree")) / "tiny-model"
+SERVICES = ("verifier", "drafter", "gateway")
+
+
+class Forwarded(NamedTuple):
+    """An option of `ddtree serve` passed on to services (under the name `to` where theirs differs)."""
+    flag: str
+    services: tuple[str, ...]
+    type: type  # bool: a switch
+    help: str
+    to: str | None = None
+
+
+# What `ddtree serve` passes on when given (else each service keeps its default): one line per option.
+FORWARDED = (
+    Forwarded("--kv-budget-mb", ("verifier",), float, "KV cache of the whole model, MB"),
+    Forwarded("--page-size", ("verifier",), int, "tokens per KV page"),
+    Forwarded("--max-context", ("verifier",), int, "longest session, tokens"),
+    Forwarded("--tree-budget", ("verifier",), int, "draft tree nodes per step"),
+    Forwarded("--draft-timeout-s", ("verifier",), float, "how long a step waits for its draft"),
+    Forwarded("--attention", ("verifier",), str, "torch | triton"),
+    Forwarded("--no-cuda-graphs", ("verifier",), bool, "run every forward eagerly"),
+    Forwarded("--dtype", ("verifier", "drafter"), str, "float32 | float16 | bfloat16 (default: the checkpoint's)"),
+    Forwarded("--verifier-metrics-port", ("verifier",), int, "the verifier's Prometheus port", to="--metrics-port"),
+    Forwarded("--context-window", ("drafter",), int, "the drafter's context window W; 0 = unlimited"),
+    Forwarded("--session-ttl-s", ("gateway",), float, "idle time before a session is released"),
+    Forwarded("--api-keys-file", ("gateway",), str, "one API key per line; absent: no auth"),
+    Forwarded("--metrics-port", ("gateway",), int, "the gateway's Prometheus port"),
+    Forwarded("--max-sessions-per-key", ("gateway",), int, "sessions one API key may hold"),
+    Forwarded("--max-new-tokens-limit", ("gateway",), int, "largest max_new_tokens a request may ask"),
+    Forwarded("--default-max-new-tokens", ("gateway",), int, "max_new_tokens of a request that sets none"),
+)
+
+
+def add_forwarded_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("passed on to the services (default: theirs)")
+    for option in FORWARDED:
+        kind = {"action": "store_true"} if option.type is bool else {"type": option.type}
+        group.add_argument(option.flag, help=f"{'/'.join(option.services)}: {option.help}", **kind)
+
+
+def forwarded_args(args: argparse.Namespace) -> dict[str, tuple[str, ...]]:
+    """The command-line words each service gets from the forwarded options that `args` sets."""
+    words: dict[str, list[str]] = {service: [] for service in SERVICES}
+    for option in FORWARDED:
+        value = getattr(args, option.flag.removeprefix("--").replace("-", "_"))
+        if value is None or value is False:
+            continue
+        for service in option.services:
+            words[service] += [option.to or option.flag, *(() if value is True else (str(value),))]
+    return {service: tuple(service_words) for service, service_words in words.items()}
+
+
+class StartFailed(RuntimeError):
+    """A process of the stack did not come up; the message names it, the cause and its log."""
 
 
 def free_port() -> int:
@@ -41,6 +100,16 @@ def wait_healthy(address: str, timeout_s: float, process: subprocess.Popen | Non
     raise TimeoutError(f"{address} not healthy after {timeout_s:.0f} s")
 
 
+def last_line(log: Path, tail_bytes: int = 4096) -> str:
+    """A dead service's cause: the last line of its log, which is its one-line start error ('PROG: error: CAUSE',
+    given as CAUSE) or a traceback's last line."""
+    with open(log, "rb") as file:
+        file.seek(max(0, file.seek(0, os.SEEK_END) - tail_bytes))
+        lines = file.read().decode(errors="replace").splitlines()
+    last = next((line.strip() for line in reversed(lines) if line.strip()), "")
+    return last.split(": error: ", 1)[-1]
+
+
 def ensure_tiny_model() -> tuple[Path, Path]:
     """The built-in model: made once (seeded, deterministic), then reused."""
     target, drafter = TINY_MODEL_DIR / "target", TINY_MODEL_DIR / "dflash"
@@ -60,23 +129,38 @@ class LocalStack:
     device: str = "cpu"
     gateway_listen: str = "127.0.0.1:50051"
     verifier_args: tuple[str, ...] = ()
+    drafter_args: tuple[str, ...] = ()
     gateway_args: tuple[str, ...] = ()
-    log_dir: Path | None = None
+    log_dir: Path | str | None = None  # created if missing; None: a new temporary directory
     processes: dict[str, subprocess.Popen] = field(default_factory=dict)
     addresses: dict[str, str] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        # NOTE: a child that fails at start says why only in its log, so there always is one
+        self.log_dir = Path(self.log_dir or tempfile.mkdtemp(prefix="ddtree-serve-"))
+
+    def log_path(self, name: str) -> Path:
+        return self.log_dir / f"{name}.log"
+
     def _spawn(self, name: str, module: str, *args: str) -> subprocess.Popen:
-        log = subprocess.DEVNULL if self.log_dir is None else open(Path(self.log_dir) / f"{name}.log", "wb")  # noqa: SIM115
         env = dict(os.environ)
         if self.device == "cpu":
             # NOTE: on a small CPU machine intra-op threads fight the event loops and each other: one each.
             env.setdefault("OMP_NUM_THREADS", "1")
-        process = subprocess.Popen([sys.executable, "-m", module, *args], stdout=log, stderr=subprocess.STDOUT,
-                                   env=env)
+        with open(self.log_path(name), "wb") as log:
+            process = subprocess.Popen([sys.executable, "-m", module, *args], stdout=log, stderr=subprocess.STDOUT,
+                                       env=env)
         self.processes[name] = process
         return process
 
     def start(self, timeout_s: float = 120.0) -> None:
+        """Start every process and wait until each serves; StartFailed (the others stopped) when one does not."""
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            # NOTE: before any child: the gateway's health check would find the other server and pass
+            check_bindable(self.gateway_listen)
+        except BindError as error:
+            raise StartFailed(f"gateway failed to start: {error}") from None
         try:
             drafter_addresses = [self._start_drafter(i) for i in range(self.drafters if self.drafter != "none" else 0)]
             verifier = f"127.0.0.1:{free_port()}"
@@ -87,16 +171,28 @@ class LocalStack:
                         "--tokenizer", self.target, *self.gateway_args)
             self.addresses["gateway"] = self.gateway_listen
             for name, address in self.addresses.items():
-                wait_healthy(address, timeout_s, self.processes[name])
+                self._wait_healthy(name, address, timeout_s)
         except BaseException:
             self.stop()
             raise
+
+    def _wait_healthy(self, name: str, address: str, timeout_s: float) -> None:
+        process = self.processes[name]
+        try:
+            wait_healthy(address, timeout_s, process)
+        except TimeoutError as error:
+            raise self._failed(name, str(error)) from None
+        except RuntimeError:  # it exited
+            raise self._failed(name, last_line(self.log_path(name)) or f"exit status {process.returncode}") from None
+
+    def _failed(self, name: str, cause: str) -> StartFailed:
+        return StartFailed(f"{name} failed to start: {cause} (log: {self.log_path(name)})")
 
     def _start_drafter(self, index: int) -> str:
         name, address = f"drafter-{index}", f"127.0.0.1:{free_port()}"
         self.addresses[name] = address
         self._spawn(name, "drafter_service.server", "--drafter", self.drafter, "--target", self.target,
-                    "--listen", address, "--device", self.device, "--replica-id", name)
+                    "--listen", address, "--device", self.device, "--replica-id", name, *self.drafter_args)
         return address
 
     def kill(self, name: str) -> None:

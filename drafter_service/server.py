@@ -3,17 +3,24 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import os
 import socket
+import sys
 
 import grpc
 
 from drafter_service.drafter import SessionDrafter
 from drafter_service.servicer import DrafterServicer
 from proto import drafter_pb2, drafter_pb2_grpc
-from proto.serving import add_health_and_reflection, mark_serving, server_options, wait_for_termination_signal
+from proto.serving import (
+    add_health_and_reflection,
+    bind,
+    mark_serving,
+    run_service,
+    server_options,
+    wait_for_termination_signal,
+)
 
 SERVICE_NAME = drafter_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name
 
@@ -60,7 +67,7 @@ async def serve(args: argparse.Namespace) -> None:
     server = grpc.aio.server(options=server_options(max_connection_age_s=300.0))
     drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, server)
     health_servicer = add_health_and_reflection(server, [SERVICE_NAME])
-    port = server.add_insecure_port(args.listen)
+    port = bind(server, args.listen)
     servicer.start()
     await server.start()
     await mark_serving(health_servicer, [SERVICE_NAME])
@@ -70,10 +77,12 @@ async def serve(args: argparse.Namespace) -> None:
     await server.stop(grace=1.0)
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s drafter %(levelname)s %(message)s")
-    asyncio.run(serve(build_parser().parse_args(argv)))
+    return run_service(parser.prog, lambda: serve(args))
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -21,7 +21,14 @@ from gateway.service import GatewayServicer
 from gateway.verifiers import VerifierPool
 from modeling.tokenizer import Tokenizer
 from proto import gateway_pb2, gateway_pb2_grpc
-from proto.serving import add_health_and_reflection, message_options, server_options, wait_for_termination_signal
+from proto.serving import (
+    add_health_and_reflection,
+    bind,
+    message_options,
+    run_service,
+    server_options,
+    wait_for_termination_signal,
+)
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +63,7 @@ async def start(config: GatewayConfig, keys: ApiKeys) -> RunningGateway:
     gateway_pb2_grpc.add_GatewayServicer_to_server(GatewayServicer(core, keys), server)
     health_servicer = add_health_and_reflection(server, [GATEWAY_SERVICE])
     await _refresh(core, health_servicer)
-    port = server.add_insecure_port(config.listen)
+    port = bind(server, config.listen)
     await server.start()
     metrics_http = metrics.serve_http(config.metrics_port, config.metrics_addr) if config.metrics_port else None
     housekeeping = asyncio.create_task(_housekeep(core, health_servicer, config.housekeeping_interval_s))
@@ -111,23 +118,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-message-bytes", type=int, default=d.max_message_bytes)
     p.add_argument("--max-connection-age-s", type=float, default=d.max_connection_age_s)
     p.add_argument("--metrics-port", type=int, default=d.metrics_port, help="Prometheus HTTP port; 0 = off")
-    p.add_argument("--metrics-addr", default=d.metrics_addr)
+    p.add_argument("--metrics-addr", default=d.metrics_addr, help="address of the metrics port (0.0.0.0: all)")
     p.add_argument("--log-level", default="INFO")
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    config = GatewayConfig(
+def config_from_args(args: argparse.Namespace) -> GatewayConfig:
+    return GatewayConfig(
         verifiers=tuple(a.strip() for a in args.verifiers.split(",") if a.strip()),
         tokenizer_dir=args.tokenizer, listen=args.listen, metrics_port=args.metrics_port,
         metrics_addr=args.metrics_addr, session_idle_ttl_s=args.session_ttl_s,
         max_sessions_per_key=args.max_sessions_per_key, max_new_tokens_limit=args.max_new_tokens_limit,
         default_max_new_tokens=args.default_max_new_tokens, max_message_bytes=args.max_message_bytes,
         max_connection_age_s=args.max_connection_age_s)
-    asyncio.run(serve(config, read_api_keys(args.api_keys_file)))
-    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # NOTE: the config and the keys file are read inside: their errors are start failures too (one line)
+    return run_service(parser.prog, lambda: serve(config_from_args(args), read_api_keys(args.api_keys_file)))
 
 
 if __name__ == "__main__":

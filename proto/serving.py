@@ -1,16 +1,33 @@
 """What every ddtree.v1 server runs alongside its service: message limits, connection ageing (so clients
-re-resolve and find new replicas), grpc.health.v1 and server reflection."""
+re-resolve and find new replicas), keepalive, binding, grpc.health.v1 and server reflection, and how a
+server's start fails; plus the channel options its clients use."""
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import signal
+import socket
+import sys
+import threading
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 MAX_MESSAGE_BYTES = 64 << 20
+# Clients ping idle and busy connections to notice a peer that stopped answering; a server's defaults allow
+# one ping per 5 minutes and answer more with GOAWAY too_many_pings, which would cut every call on it.
+KEEPALIVE_SERVER_OPTIONS = [("grpc.keepalive_permit_without_calls", 1),
+                            ("grpc.http2.min_recv_ping_interval_without_data_ms", 1000),
+                            ("grpc.http2.max_ping_strikes", 0)]
+_serving = threading.Event()  # set once a server waits for its stop signal: what fails before is a start failure
+
+
+class BindError(OSError):
+    """The server cannot listen on an address; the message names it and says why."""
 
 
 def message_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
@@ -18,15 +35,62 @@ def message_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[st
             ("grpc.max_send_message_length", max_message_bytes)]
 
 
+def channel_options(max_message_bytes: int = MAX_MESSAGE_BYTES, keepalive_s: float = 10.0,
+                    keepalive_timeout_s: float = 5.0) -> list[tuple[str, int]]:
+    """A client's: keepalive pings, so the calls to a peer that stopped answering (a frozen process, a dropped
+    link) fail with UNAVAILABLE within about keepalive_s + keepalive_timeout_s instead of hanging.
+    NOTE: a keepalive ping due while another ping (gRPC's own flow-control probe) is unanswered waits on that
+    one, whose timeout is ping_timeout_ms (60 s by default): it gets keepalive_timeout_s too."""
+    return [*message_options(max_message_bytes),
+            ("grpc.keepalive_time_ms", int(keepalive_s * 1000)),
+            ("grpc.keepalive_timeout_ms", int(keepalive_timeout_s * 1000)),
+            ("grpc.http2.ping_timeout_ms", int(keepalive_timeout_s * 1000)),
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.max_pings_without_data", 0)]
+
+
 def server_options(max_message_bytes: int = MAX_MESSAGE_BYTES, max_connection_age_s: float | None = None,
                    max_connection_age_grace_s: float = 10.0) -> list[tuple[str, int]]:
     """Connection ageing is for servers found through DNS (scaled replicas): clients re-resolve on reconnect.
-    NOTE: streams still open when the grace ends are cut, so servers with long streams keep it off."""
-    options = message_options(max_message_bytes)
+    NOTE: streams still open when the grace ends are cut, so servers with long streams keep it off.
+    SO_REUSEPORT (gRPC's default) is off: with it a second server on a taken port starts and splits the traffic."""
+    options = [*message_options(max_message_bytes), ("grpc.so_reuseport", 0), *KEEPALIVE_SERVER_OPTIONS]
     if max_connection_age_s is not None:
         options += [("grpc.max_connection_age_ms", int(max_connection_age_s * 1000)),
                     ("grpc.max_connection_age_grace_ms", int(max_connection_age_grace_s * 1000))]
     return options
+
+
+def check_bindable(address: str) -> None:
+    """Raise BindError when a host:port address is taken, unresolvable or out of range (other forms, such as
+    unix:PATH, pass): gRPC's own failure says neither which address nor why."""
+    host, _, port = address.rpartition(":")
+    if not port.isdigit():
+        return
+    if int(port) > 65535:
+        raise BindError(f"{address}: the port must be at most 65535")
+    try:
+        addresses = socket.getaddrinfo(host.strip("[]") or None, int(port), type=socket.SOCK_STREAM,
+                                       flags=socket.AI_PASSIVE)
+    except socket.gaierror as error:
+        raise BindError(f"{address}: cannot resolve the host ({error.strerror})") from None
+    for family, kind, proto, _, sockaddr in addresses:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC: a TIME_WAIT port is free
+            try:
+                probe.bind(sockaddr)
+            except OSError as error:  # NOTE: others (no IPv6 for [::], ...) are gRPC's to judge: it falls back
+                if error.errno == errno.EADDRINUSE:
+                    raise BindError(f"{address} is already in use (another server?)") from None
+
+
+def bind(server: grpc.aio.Server, address: str) -> int:
+    """server.add_insecure_port(address), failing with a BindError that names the address and the cause."""
+    check_bindable(address)
+    try:
+        return server.add_insecure_port(address)
+    except RuntimeError:
+        raise BindError(f"cannot listen on {address} (gRPC's log line above says why)") from None
 
 
 def add_health_and_reflection(server: grpc.aio.Server, service_names: list[str]) -> health.aio.HealthServicer:
@@ -42,9 +106,35 @@ async def mark_serving(health_servicer: health.aio.HealthServicer, service_names
 
 
 async def wait_for_termination_signal() -> None:
-    """Until SIGINT or SIGTERM (the process's main thread only)."""
+    """Until SIGINT or SIGTERM (the process's main thread only). A server calls it once it serves."""
+    _serving.set()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
+
+
+def describe(error: BaseException) -> str:
+    """An exception as one line for a user: a missing file as 'PATH not found'; the type is named unless the
+    error is one whose message is written for users (bad values, files)."""
+    if isinstance(error, FileNotFoundError) and error.filename:
+        return f"{error.filename} not found"
+    text = next((line.strip() for line in str(error).splitlines() if line.strip()), "")
+    if text and isinstance(error, (ValueError, OSError)):
+        return text
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
+
+
+def run_service(prog: str, serve: Callable[[], Coroutine[Any, Any, None]]) -> int:
+    """Run a server's main coroutine: a failure before it serves (a bad checkpoint, a taken port, a bad value)
+    is one line `PROG: error: ...` on stderr and exit status 2, as argparse reports a bad flag; a failure
+    after that raises (a bug deserves its traceback)."""
+    try:
+        asyncio.run(serve())
+    except Exception as error:
+        if _serving.is_set():
+            raise
+        print(f"{prog}: error: {describe(error)}", file=sys.stderr)
+        return 2
+    return 0

@@ -5,13 +5,21 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import sys
 from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2
 
 from proto import verifier_pb2, verifier_pb2_grpc
-from proto.serving import add_health_and_reflection, mark_serving, server_options, wait_for_termination_signal
+from proto.serving import (
+    add_health_and_reflection,
+    bind,
+    mark_serving,
+    run_service,
+    server_options,
+    wait_for_termination_signal,
+)
 from verifier_service.drafter_pool import DrafterPool
 from verifier_service.engine.config import EngineConfig
 from verifier_service.engine.engine import Engine
@@ -40,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-cuda-graphs", action="store_true",
                         help="run every forward eagerly (graphs are used on CUDA with --attention triton)")
     parser.add_argument("--metrics-port", type=int, default=0, help="Prometheus port; 0 = off")
+    parser.add_argument("--metrics-addr", default="127.0.0.1", help="address of the metrics port (0.0.0.0: all)")
     parser.add_argument("--tensor-parallel", type=int, default=1,
                         help="ranks (processes) the model is split over: cuda:0..N-1 with --device cuda, else gloo "
                              "on the CPU")
@@ -84,9 +93,9 @@ async def serve(args: argparse.Namespace) -> None:
     server = grpc.aio.server(options=server_options())
     verifier_pb2_grpc.add_VerifierServicer_to_server(VerifierServicer(service, Path(args.target).name), server)
     health_servicer = add_health_and_reflection(server, [SERVICE_NAME])
-    port = server.add_insecure_port(args.listen)
+    port = bind(server, args.listen)
     if args.metrics_port:
-        metrics.serve(args.metrics_port)
+        metrics.serve(args.metrics_port, args.metrics_addr)
     await service.start()
     await server.start()
     await mark_serving(health_servicer, [SERVICE_NAME])
@@ -102,10 +111,12 @@ async def serve(args: argparse.Namespace) -> None:
         group.stop()
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s verifier %(levelname)s %(message)s")
-    asyncio.run(serve(build_parser().parse_args(argv)))
+    return run_service(parser.prog, lambda: serve(args))
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
