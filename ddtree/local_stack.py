@@ -39,6 +39,7 @@ FORWARDED = (
     Forwarded("--max-context", ("verifier",), int, "longest session, tokens"),
     Forwarded("--tree-budget", ("verifier",), int, "draft tree nodes per step"),
     Forwarded("--draft-timeout-s", ("verifier",), float, "how long a step waits for its draft"),
+    Forwarded("--session-lease-s", ("verifier",), float, "a session no gateway renews is released after this"),
     Forwarded("--attention", ("verifier",), str, "torch | triton"),
     Forwarded("--no-cuda-graphs", ("verifier",), bool, "run every forward eagerly"),
     Forwarded("--dtype", ("verifier", "drafter"), str, "float32 | float16 | bfloat16 (default: the checkpoint's)"),
@@ -48,6 +49,8 @@ FORWARDED = (
     Forwarded("--api-keys-file", ("gateway",), str, "one API key per line; absent: no auth"),
     Forwarded("--metrics-port", ("gateway",), int, "the gateway's Prometheus port"),
     Forwarded("--max-sessions-per-key", ("gateway",), int, "sessions one API key may hold"),
+    Forwarded("--kv-share-per-key", ("gateway",), float, "share of the KV tokens one API key may hold"),
+    Forwarded("--quota-by", ("gateway",), str, "key | peer: what quotas count against"),
     Forwarded("--max-new-tokens-limit", ("gateway",), int, "largest max_new_tokens a request may ask"),
     Forwarded("--default-max-new-tokens", ("gateway",), int, "max_new_tokens of a request that sets none"),
 )
@@ -134,6 +137,7 @@ class LocalStack:
     log_dir: Path | str | None = None  # created if missing; None: a new temporary directory
     processes: dict[str, subprocess.Popen] = field(default_factory=dict)
     addresses: dict[str, str] = field(default_factory=dict)
+    commands: dict[str, list[str]] = field(default_factory=dict)  # what each process was started with
 
     def __post_init__(self) -> None:
         # NOTE: a child that fails at start says why only in its log, so there always is one
@@ -143,13 +147,16 @@ class LocalStack:
         return self.log_dir / f"{name}.log"
 
     def _spawn(self, name: str, module: str, *args: str) -> subprocess.Popen:
+        self.commands[name] = [sys.executable, "-m", module, *args]
+        return self._run(name, "wb")
+
+    def _run(self, name: str, log_mode: str) -> subprocess.Popen:
         env = dict(os.environ)
         if self.device == "cpu":
             # NOTE: on a small CPU machine intra-op threads fight the event loops and each other: one each.
             env.setdefault("OMP_NUM_THREADS", "1")
-        with open(self.log_path(name), "wb") as log:
-            process = subprocess.Popen([sys.executable, "-m", module, *args], stdout=log, stderr=subprocess.STDOUT,
-                                       env=env)
+        with open(self.log_path(name), log_mode) as log:
+            process = subprocess.Popen(self.commands[name], stdout=log, stderr=subprocess.STDOUT, env=env)
         self.processes[name] = process
         return process
 
@@ -199,6 +206,21 @@ class LocalStack:
         """Kill one process hard (failure tests)."""
         self.processes[name].kill()
         self.processes[name].wait()
+
+    def pause(self, name: str) -> None:
+        """Freeze one process (SIGSTOP): alive, holding its sockets, answering nothing (failure tests)."""
+        self.processes[name].send_signal(signal.SIGSTOP)
+
+    def resume(self, name: str) -> None:
+        self.processes[name].send_signal(signal.SIGCONT)
+
+    def restart(self, name: str, timeout_s: float = 120.0) -> None:
+        """Start a process again as it was first started (same address; its log goes on) and wait until it
+        serves; a running one is killed first."""
+        if self.processes[name].poll() is None:
+            self.kill(name)
+        self._run(name, "ab")
+        self._wait_healthy(name, self.addresses[name], timeout_s)
 
     def stop(self, grace_s: float = 10.0) -> None:
         for process in self.processes.values():

@@ -8,8 +8,6 @@ import os
 import socket
 import sys
 
-import grpc
-
 from drafter_service.drafter import SessionDrafter
 from drafter_service.servicer import DrafterServicer
 from proto import drafter_pb2, drafter_pb2_grpc
@@ -17,6 +15,7 @@ from proto.serving import (
     add_health_and_reflection,
     bind,
     mark_serving,
+    new_server,
     run_service,
     server_options,
     wait_for_termination_signal,
@@ -64,7 +63,7 @@ async def serve(args: argparse.Namespace) -> None:
     servicer = DrafterServicer(drafter, args.replica_id)
     # NOTE: verifiers find new replicas by re-resolving the name themselves; a long connection age only bounds
     # how long a verifier keeps a connection to an address that DNS no longer lists.
-    server = grpc.aio.server(options=server_options(max_connection_age_s=300.0))
+    server = new_server(server_options(max_connection_age_s=300.0))
     drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, server)
     health_servicer = add_health_and_reflection(server, [SERVICE_NAME])
     port = bind(server, args.listen)

@@ -56,7 +56,6 @@ class GatewayCore:
         self._clock = clock
         self._tokenizing = concurrent.futures.ThreadPoolExecutor(config.tokenizer_threads, "tokenize")
         self._token_bytes = tokenizer.max_token_bytes()
-        self._background: set[asyncio.Task] = set()
         metrics.count_sessions(lambda: len(self.registry))
 
     # -- the edge's checks, against the model the verifiers serve
@@ -158,7 +157,7 @@ class GatewayCore:
                     raise NoVerifier("the verifier ended the generation without a stop reason; retry")
         finally:
             if not keep:
-                self._forget(handle, caller.owner, release=relay.stop_reason is None)
+                await self._forget(handle, caller.owner, release=relay.stop_reason is None)
         yield relay.summary(handle if keep else "", prompt_tokens=len(prompt))
     # -- model and service
 
@@ -243,17 +242,15 @@ class GatewayCore:
             await self._release_quietly(address, held.session_id)
             raise
 
-    def _forget(self, handle: str, owner: str | None, release: bool) -> None:
+    async def _forget(self, handle: str, owner: str | None, release: bool) -> None:
         """Drop a one-shot generation's handle; `release` when the verifier may still hold the session (the
-        call failed or was cancelled before the verifier's own end-of-stream release)."""
+        call failed or was cancelled, maybe before the verifier's Generate began and could release it)."""
         try:
             entry = self.registry.remove(handle, owner)
         except SessionNotFound:
             return
         if release:
-            task = asyncio.ensure_future(self._release_quietly(entry.verifier, entry.verifier_session_id))
-            self._background.add(task)
-            task.add_done_callback(self._background.discard)
+            await self._release_quietly(entry.verifier, entry.verifier_session_id)
 
     async def _release_quietly(self, address: str, session_id: str) -> None:
         """Release at the verifier; the handle is gone either way, so a failure is only logged (the session's
@@ -276,8 +273,7 @@ class GatewayCore:
             info.generating |= held.generating
         return info
 
-    async def close(self) -> None:
-        await asyncio.gather(*self._background, return_exceptions=True)
+    def close(self) -> None:
         self._tokenizing.shutdown(wait=False, cancel_futures=True)
 
 

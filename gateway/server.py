@@ -24,7 +24,8 @@ from proto import gateway_pb2, gateway_pb2_grpc
 from proto.serving import (
     add_health_and_reflection,
     bind,
-    message_options,
+    channel_options,
+    new_server,
     run_service,
     server_options,
     wait_for_termination_signal,
@@ -51,15 +52,17 @@ class RunningGateway:
         if self.metrics_http is not None:
             self.metrics_http.shutdown()
         await self.core.pool.close()
+        self.core.close()
 
 
 async def start(config: GatewayConfig, keys: ApiKeys) -> RunningGateway:
     """Start serving; the first verifier poll runs before the port opens so routing starts informed."""
     metrics = GatewayMetrics()
-    pool = VerifierPool(config.verifiers, message_options(config.max_message_bytes))
+    pool = VerifierPool(config.verifiers, channel_options(config.max_message_bytes, config.verifier_keepalive_s,
+                                                          config.verifier_keepalive_timeout_s))
     core = GatewayCore(config, pool, Tokenizer.from_dir(config.tokenizer_dir), metrics)
-    server = grpc.aio.server(options=server_options(config.max_message_bytes, config.max_connection_age_s,
-                                                    config.max_connection_age_grace_s))
+    server = new_server(server_options(config.max_message_bytes, config.max_connection_age_s,
+                                       config.max_connection_age_grace_s))
     gateway_pb2_grpc.add_GatewayServicer_to_server(GatewayServicer(core, keys), server)
     health_servicer = add_health_and_reflection(server, [GATEWAY_SERVICE])
     await _refresh(core, health_servicer)
@@ -113,6 +116,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-keys-file", help="file with one API key per line; absent: no auth")
     p.add_argument("--session-ttl-s", type=float, default=d.session_idle_ttl_s, help="idle time before release")
     p.add_argument("--max-sessions-per-key", type=int, default=d.max_sessions_per_key)
+    p.add_argument("--quota-by", choices=["key", "peer"], default=d.quota_by,
+                   help="count quotas per API key (without keys: one account for all) or per client address")
+    p.add_argument("--kv-share-per-key", type=float, default=d.kv_share_per_key,
+                   help="share of the verifiers' KV tokens one account may hold")
+    p.add_argument("--max-prompt-bytes", type=int, default=d.max_prompt_bytes,
+                   help="longer text is refused before tokenizing; 0 = what the model's context can hold")
+    p.add_argument("--verifier-call-timeout-s", type=float, default=d.verifier_call_timeout_s)
+    p.add_argument("--prefill-timeout-s", type=float, default=d.prefill_timeout_s)
+    p.add_argument("--verifier-keepalive-s", type=float, default=d.verifier_keepalive_s)
+    p.add_argument("--verifier-keepalive-timeout-s", type=float, default=d.verifier_keepalive_timeout_s)
     p.add_argument("--max-new-tokens-limit", type=int, default=d.max_new_tokens_limit)
     p.add_argument("--default-max-new-tokens", type=int, default=d.default_max_new_tokens)
     p.add_argument("--max-message-bytes", type=int, default=d.max_message_bytes)
@@ -130,7 +143,10 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         metrics_addr=args.metrics_addr, session_idle_ttl_s=args.session_ttl_s,
         max_sessions_per_key=args.max_sessions_per_key, max_new_tokens_limit=args.max_new_tokens_limit,
         default_max_new_tokens=args.default_max_new_tokens, max_message_bytes=args.max_message_bytes,
-        max_connection_age_s=args.max_connection_age_s)
+        max_connection_age_s=args.max_connection_age_s, quota_by=args.quota_by, kv_share_per_key=args.kv_share_per_key,
+        max_prompt_bytes=args.max_prompt_bytes, verifier_call_timeout_s=args.verifier_call_timeout_s,
+        prefill_timeout_s=args.prefill_timeout_s, verifier_keepalive_s=args.verifier_keepalive_s,
+        verifier_keepalive_timeout_s=args.verifier_keepalive_timeout_s)
 
 
 def main(argv: list[str] | None = None) -> int:

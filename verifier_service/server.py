@@ -8,14 +8,15 @@ import logging
 import sys
 from pathlib import Path
 
-import grpc
 from grpc_health.v1 import health, health_pb2
 
 from proto import verifier_pb2, verifier_pb2_grpc
 from proto.serving import (
     add_health_and_reflection,
     bind,
+    channel_options,
     mark_serving,
+    new_server,
     run_service,
     server_options,
     wait_for_termination_signal,
@@ -24,7 +25,7 @@ from verifier_service.drafter_pool import DrafterPool
 from verifier_service.engine.config import EngineConfig
 from verifier_service.engine.engine import Engine
 from verifier_service.metrics import VerifierMetrics
-from verifier_service.service import VerifierService
+from verifier_service.service import DEFAULT_LEASE_S, VerifierService
 from verifier_service.servicer import VerifierServicer
 from verifier_service.tensor_parallel import TensorParallelGroup
 
@@ -36,7 +37,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--listen", default="127.0.0.1:50053")
     parser.add_argument("--drafters", default="", help="host:port,... or dns:///name:port; empty = no speculation")
     parser.add_argument("--tree-budget", type=int, default=15)
-    parser.add_argument("--draft-timeout-s", type=float, default=2.0)
+    parser.add_argument("--draft-timeout-s", type=float, default=2.0,
+                        help="how long a step waits for its tree; a replica that misses it is probed, not waited on")
+    parser.add_argument("--session-lease-s", type=float, default=DEFAULT_LEASE_S,
+                        help="a session no gateway renews (and no generation holds) is released after this long")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default=None, help="float32 | float16 | bfloat16 (default: checkpoint's)")
     parser.add_argument("--attention", default="torch", choices=["torch", "triton"])
@@ -87,10 +91,13 @@ async def serve(args: argparse.Namespace) -> None:
     else:
         engine = Engine.from_checkpoint(args.target, config)
     metrics = VerifierMetrics()
-    drafters = DrafterPool(args.drafters, metrics, timeout_s=args.draft_timeout_s) if args.drafters else None
-    service = VerifierService(engine, drafters, metrics, tree_budget=args.tree_budget, inline_steps=group is None)
+    drafters = None
+    if args.drafters:
+        drafters = DrafterPool(args.drafters, metrics, args.draft_timeout_s, channel_options=channel_options())
+    service = VerifierService(engine, drafters, metrics, tree_budget=args.tree_budget, inline_steps=group is None,
+                              lease_s=args.session_lease_s)
 
-    server = grpc.aio.server(options=server_options())
+    server = new_server(server_options())
     verifier_pb2_grpc.add_VerifierServicer_to_server(VerifierServicer(service, Path(args.target).name), server)
     health_servicer = add_health_and_reflection(server, [SERVICE_NAME])
     port = bind(server, args.listen)
