@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from proto import verifier_pb2
+from proto.serving import serve_metrics
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
 ACCEPTANCE_BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 24, 32)
@@ -60,5 +61,4 @@ class GatewayMetrics:
 
     def serve_http(self, port: int, addr: str):
         """Start the /metrics HTTP server in a thread; returns the server (call shutdown())."""
-        server, _thread = start_http_server(port, addr=addr, registry=self.registry)
-        return server
+        return serve_metrics(self.registry, port, addr)

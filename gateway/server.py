@@ -67,8 +67,8 @@ async def start(config: GatewayConfig, keys: ApiKeys) -> RunningGateway:
     health_servicer = add_health_and_reflection(server, [GATEWAY_SERVICE])
     await _refresh(core, health_servicer)
     port = bind(server, config.listen)
-    await server.start()
     metrics_http = metrics.serve_http(config.metrics_port, config.metrics_addr) if config.metrics_port else None
+    await server.start()
     housekeeping = asyncio.create_task(_housekeep(core, health_servicer, config.housekeeping_interval_s))
     log.info("gateway listening on %s (port %d), verifiers %s", config.listen, port, ", ".join(config.verifiers))
     return RunningGateway(server, port, core, metrics_http, housekeeping)

@@ -16,6 +16,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from prometheus_client import CollectorRegistry, start_http_server
 
 from proto.undecodable import RejectUndecodable
 
@@ -89,6 +90,14 @@ def check_bindable(address: str) -> None:
             except OSError as error:  # NOTE: others (no IPv6 for [::], ...) are gRPC's to judge: it falls back
                 if error.errno == errno.EADDRINUSE:
                     raise BindError(f"{address} is already in use (another server?)") from None
+
+
+def serve_metrics(registry: CollectorRegistry, port: int, addr: str):
+    """Prometheus /metrics over HTTP in a thread; a taken port fails like a gRPC one (BindError naming it).
+    Returns the HTTP server (call shutdown())."""
+    check_bindable(f"[{addr}]:{port}" if ":" in addr else f"{addr}:{port}")
+    server, _thread = start_http_server(port, addr=addr, registry=registry)
+    return server
 
 
 def bind(server: grpc.aio.Server, address: str) -> int:

@@ -155,6 +155,16 @@ def test_a_second_server_on_a_taken_port_exits_2_and_says_so():
     assert second.stderr == f"ddtree-drafter: error: {address} is already in use (another server?)\n"
 
 
+def test_a_taken_metrics_port_is_a_start_failure_naming_it(tiny_target):
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        result = run(sys.executable, "-m", "gateway.server", "--listen", f"127.0.0.1:{free_port()}", "--verifiers",
+                     "127.0.0.1:9", "--tokenizer", str(tiny_target), "--metrics-port", str(port), timeout_s=60)
+    assert result.returncode == 2
+    expected = f"ddtree-gateway: error: 127.0.0.1:{port} is already in use (another server?)"
+    assert result.stderr.splitlines()[-1] == expected
+
+
 def test_a_service_with_a_missing_checkpoint_exits_2_with_one_line():
     result = run(sys.executable, "-m", "verifier_service.server", "--target", "/nonexistent", timeout_s=60)
     assert result.returncode == 2

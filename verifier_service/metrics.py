@@ -5,7 +5,9 @@ from __future__ import annotations
 from collections.abc import Collection
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from proto.serving import serve_metrics
 
 if TYPE_CHECKING:
     from verifier_service.engine.engine import Engine
@@ -45,4 +47,4 @@ class VerifierMetrics:
 
     def serve(self, port: int, addr: str = "127.0.0.1") -> None:
         """/metrics over HTTP; loopback unless told otherwise (containers pass 0.0.0.0 to be scraped)."""
-        start_http_server(port, addr=addr, registry=self.registry)
+        serve_metrics(self.registry, port, addr)
