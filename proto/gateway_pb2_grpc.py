@@ -82,7 +82,9 @@ class GatewayServicer:
     def Generate(self, request, context):
         """Generate, streaming one chunk per verify step and a summary last. Without a session this is a
         one-shot generation on a fresh session; with one it continues that session after appending the
-        new text. A cancelled call stops generation within one step.
+        new text. A cancelled call stops generation within one step. A failure after the first chunk
+        ends the stream with its status (UNAVAILABLE when the verifier is lost); the chunks before it
+        stand.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
