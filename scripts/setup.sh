@@ -1,7 +1,12 @@
 #!/usr/bin/env bash
-# Installs the project and its test tools. On a CPU machine torch==2.13.0 comes first (a local CPU
-# wheel); GPU images bring their own torch, which the project's range accepts.
+# Creates a virtual environment (the first argument, default .venv; an existing one is kept) and installs the
+# project into it, editable, with its test extras. torch==2.13.0 comes first: on a CPU machine that is a local
+# CPU wheel, where a torch left to the project's range would be a multi-GB CUDA build. The rest are the newest
+# releases that pyproject.toml allows, at the time they are first installed into this venv.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-python3 -m pip install -q --disable-pip-version-check "torch==2.13.0"
-python3 -m pip install -q --disable-pip-version-check -e ".[test]"
+venv=${1:-.venv}
+[ -x "$venv/bin/python" ] || python3 -m venv "$venv"
+install() { "$venv/bin/python" -m pip install -q --disable-pip-version-check "$@"; }
+install "torch==2.13.0"
+install -e ".[test]"

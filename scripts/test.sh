@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
-# Sets up, lints and runs the whole test suite (GPU tests skip without CUDA).
+# What CI runs: a new virtual environment every time (.venv-test, cleared first), so that the tests see the newest
+# releases that pyproject.toml allows and nothing that the machine had installed; then the linter and the whole
+# suite (GPU tests skip without CUDA) with that venv's python. Arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh
-python3 -m ruff check .
-python3 -m pytest -q -p no:cacheprovider "$@"
+venv=.venv-test
+python3 -m venv --clear "$venv"
+bash scripts/setup.sh "$venv"
+"$venv/bin/python" -m ruff check .
+"$venv/bin/python" -m pytest -q -p no:cacheprovider "$@"
