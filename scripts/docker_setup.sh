@@ -5,15 +5,20 @@
 #   2. a running dockerd (started here, in the background, when `docker info` fails);
 #   3. the base image ddtree-base:bookworm: debootstrap (python3, python3-venv) + `docker import`;
 #   4. docker/wheels: torch==2.13.0 (the CPU wheel) and the project's dependencies, for the CPU image.
+# PYTHON (default python3) is the interpreter that reads pyproject.toml and downloads the wheels. With
+# DDTREE_DOCKER_RECORD=FILE, what this run started or built is appended to FILE, one `dockerd PID` or
+# `image NAME` a line, so that a caller (tests/test_compose.py) can undo exactly that.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BASE_IMAGE=${DDTREE_BASE_IMAGE:-ddtree-base:bookworm}
 MIRROR=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
 WHEELS=docker/wheels
 LOG_DIR=${DDTREE_DOCKER_LOGS:-/tmp/ddtree-docker-setup}
+PYTHON=${PYTHON:-python3}
 mkdir -p "$LOG_DIR" "$WHEELS"
 
 say() { echo "docker_setup: $*" >&2; }
+record() { [ -z "${DDTREE_DOCKER_RECORD:-}" ] || echo "$*" >>"$DDTREE_DOCKER_RECORD"; }
 need_root() { [ "$(id -u)" = 0 ] || { say "$1 needs root"; exit 1; }; }
 
 install_packages() {
@@ -33,6 +38,7 @@ start_dockerd() {
   need_root "starting dockerd"
   say "starting dockerd (log: $LOG_DIR/dockerd.log)"
   setsid nohup dockerd >"$LOG_DIR/dockerd.log" 2>&1 </dev/null &
+  record dockerd $!  # setsid and nohup exec: $! is dockerd itself
   for _ in $(seq 60); do
     docker info >/dev/null 2>&1 && return
     sleep 1
@@ -55,6 +61,7 @@ build_base_image() {
   fi
   rm -rf "$rootfs"/var/cache/apt/archives/*.deb "$rootfs"/var/lib/apt/lists/*
   tar -C "$rootfs" -c . | docker import -c "ENV LANG=C.UTF-8" - "$BASE_IMAGE" >/dev/null
+  record image "$BASE_IMAGE"
   rm -rf "$rootfs"
 }
 
@@ -62,7 +69,7 @@ download_wheels() {
   # The project's dependencies (from pyproject.toml) and setuptools (builds the project's wheel in the
   # image), as wheels for bookworm's Python 3.11; fetched again only when that list changes.
   local wanted="$WHEELS/requirements.txt"
-  python3 -c "import tomllib; print(*tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies'], sep='\n')" \
+  "$PYTHON" -c "import tomllib; print(*tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies'], sep='\n')" \
     >"$wanted.new"
   printf 'torch==2.13.0\nsetuptools>=68\n' >>"$wanted.new"
   if cmp -s "$wanted.new" "$wanted"; then
@@ -70,7 +77,7 @@ download_wheels() {
     return
   fi
   say "downloading wheels into $WHEELS"
-  python3 -m pip download -q --disable-pip-version-check -d "$WHEELS" --only-binary=:all: \
+  "$PYTHON" -m pip download -q --disable-pip-version-check -d "$WHEELS" --only-binary=:all: \
     --python-version 3.11 --implementation cp --abi cp311 --abi abi3 --abi none \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -r "$wanted.new"
   mv "$wanted.new" "$wanted"

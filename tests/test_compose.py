@@ -5,14 +5,18 @@ is built and brought up with `--scale drafter=2`; generations go through the pub
 Python client and must equal `ddtree offline` on the checkpoint the containers made; the verifier's metrics
 must show both drafter replicas; a drafter container is stopped mid-generation. The GPU file is checked
 through `docker-compose config` (it cannot run here). Docker is driven through the compose CLI to bring the
-stack up and down, and through the `docker` SDK to inspect, stop and read containers."""
+stack up and down, and through the `docker` SDK to inspect, stop and read containers. Afterwards the host is as
+it was, but for the packages and docker/wheels: the images the run built are removed, and so are the base image
+and the daemon when docker_setup.sh made them for this run."""
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import tarfile
@@ -62,12 +66,65 @@ def flag(service: dict, name: str) -> str | None:
     return command[command.index(name) + 1] if name in command else None
 
 
-@pytest.fixture(scope="module")
-def docker_client():
-    subprocess.run(["bash", "scripts/docker_setup.sh"], cwd=REPO, check=True, timeout=900)
-    import docker  # the test extra; imported here so that -m "not docker" runs need no docker package
+def proc_stat(pid: int | str) -> list[str] | None:
+    """/proc/PID/stat past the command name (state, parent pid, ...); None when there is no such process."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
 
-    return docker.from_env()
+
+def running(pid: int) -> bool:
+    """A zombie (exited, not reaped yet by the init that adopted it) does not count."""
+    stat = proc_stat(pid)
+    return stat is not None and stat[0] != "Z"
+
+
+def children(pid: int) -> list[int]:
+    return [int(p.name) for p in Path("/proc").glob("[0-9]*") if (stat := proc_stat(p.name)) and int(stat[1]) == pid]
+
+
+def stop_dockerd(pid: int, timeout_s: float = 60) -> None:
+    """SIGTERM: dockerd stops the containerd it started (a child of its own) and exits; both are waited for, and
+    killed when late. A pid that is no dockerd any more is left alone."""
+    if not running(pid) or Path(f"/proc/{pid}/comm").read_text().strip() != "dockerd":
+        return
+    processes = [pid, *children(pid)]
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    while (alive := [p for p in processes if running(p)]) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    for late in alive:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(late, signal.SIGKILL)
+    assert not alive, f"dockerd {pid} and its children did not stop within {timeout_s:.0f} s: {alive}"
+
+
+def undo_docker_setup(record: Path) -> None:
+    """What scripts/docker_setup.sh listed as started or built by it: the base image goes, then the daemon stops."""
+    done = [line.split(" ", 1) for line in record.read_text().splitlines()] if record.exists() else []
+    try:
+        for what, name in done:
+            if what == "image":
+                subprocess.run(["docker", "image", "rm", name], check=True, stdout=subprocess.DEVNULL)
+    finally:
+        for what, pid in done:
+            if what == "dockerd":
+                stop_dockerd(int(pid))
+
+
+@pytest.fixture(scope="module")
+def docker_client(tmp_path_factory):
+    record = tmp_path_factory.mktemp("docker-setup") / "record"
+    env = {**os.environ, "PYTHON": sys.executable, "DDTREE_DOCKER_RECORD": str(record)}
+    try:
+        subprocess.run(["bash", "scripts/docker_setup.sh"], cwd=REPO, env=env, check=True, timeout=900)
+        import docker  # the test extra; imported here so that -m "not docker" runs need no docker package
+
+        with contextlib.closing(docker.from_env()) as client:
+            yield client
+    finally:
+        undo_docker_setup(record)
 
 
 # ---- the GPU file: validated and inspected, not run ---------------------------------------------------
@@ -165,28 +222,51 @@ def copy_models_out(container, destination: Path) -> Path:
     return destination
 
 
+def image_parents(client) -> dict[str, str]:
+    """Every image id, the build steps' included, with its parent's id ('' for none)."""
+    return {image["Id"]: image["ParentId"] for image in client.api.images(all=True)}
+
+
+def new_leaves(client, before: set[str]) -> set[str]:
+    """Images added since `before` that no image builds on."""
+    parents = image_parents(client)
+    return parents.keys() - before - set(parents.values())
+
+
+def remove_new_images(client, before: set[str], tag: str) -> None:
+    """The tag, then every image that was not there before: the build keeps each step of every stage as an image
+    (a run left about 3 GB). Leaves go first (an image with children cannot); each takes its untagged parents."""
+    if client.api.images(name=tag, quiet=True):
+        client.api.remove_image(tag)
+    while leaves := new_leaves(client, before):
+        for image in leaves:
+            client.api.remove_image(image, force=True)
+
+
+def save_logs(stack: Stack, log: Path) -> None:
+    with open(log, "w") as file:
+        stack.run("logs", "--no-color", "--timestamps", stdout=file, stderr=subprocess.STDOUT, timeout=60)
+    print(f"compose logs: {log}")
+
+
 @pytest.fixture(scope="module")
 def stack(docker_client, tmp_path_factory):
     project = f"ddtree-test-{uuid.uuid4().hex[:8]}"
     port = free_port()
+    image = f"ddtree-serve:{project}"  # a tag of its own: an image a user built under the default tag stays as it is
     compose = ["docker-compose", "-p", project, "-f", CPU_FILE]
-    stack = Stack(project, compose, compose_env(DDTREE_GATEWAY_PORT=str(port)), f"127.0.0.1:{port}", docker_client,
-                  tmp_path_factory.mktemp("models"))
-    try:
-        stack.run("build", "init", check=True)  # the one image all services run, from docker/wheels
+    stack = Stack(project, compose, compose_env(DDTREE_GATEWAY_PORT=str(port), DDTREE_IMAGE=image),
+                  f"127.0.0.1:{port}", docker_client, tmp_path_factory.mktemp("models"))
+    with contextlib.ExitStack() as cleanup:  # runs the callbacks last first, each even when another fails
+        cleanup.callback(remove_new_images, docker_client, set(image_parents(docker_client)), image)
+        cleanup.callback(stack.run, "down", "--volumes", "--remove-orphans", "--timeout", "5", timeout=120)
+        cleanup.callback(save_logs, stack, tmp_path_factory.getbasetemp() / f"{project}.log")
+        stack.run("build", "--force-rm", "init", check=True)  # the one image all services run, from docker/wheels
         stack.run("up", "-d", "--scale", "drafter=2", check=True)
         wait_healthy(stack.gateway, timeout_s=300)  # through the published port
         stack.wait_for_docker_health(timeout_s=60)
         copy_models_out(stack.containers("verifier")[0], stack.model_dir)
         yield stack
-    finally:
-        try:
-            log = tmp_path_factory.getbasetemp() / f"{project}.log"
-            with open(log, "w") as file:
-                stack.run("logs", "--no-color", "--timestamps", stdout=file, stderr=subprocess.STDOUT, timeout=60)
-            print(f"compose logs: {log}")
-        finally:
-            stack.run("down", "--volumes", "--remove-orphans", "--timeout", "5", timeout=120)
 
 
 def test_generation_through_the_gateway_equals_offline(stack) -> None:
