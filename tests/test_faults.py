@@ -15,14 +15,11 @@ import pytest
 
 from ddtree.client import Client, GatewayError
 from ddtree.local_stack import LocalStack, free_port
-from ddtree.offline import generate_offline
-from proto import common_pb2, gateway_pb2, verifier_pb2, verifier_pb2_grpc
-from tests.engine_helpers import make_engine
-from verifier_service.engine.sampling import SamplingParams
+from proto import common_pb2, gateway_pb2
+from tests.stack_helpers import greedy_reference, kv_budget_mb, verifier_info, verifier_metric
 
 Code = grpc.StatusCode
 KV_PAGES = 600  # of 16 tokens: 9600 KV tokens; each key may hold half of them
-PAGE_BYTES = 2 * 4 * 16 * 2 * 16 * 4  # K+V, 4 layers, 16 slots, 2 kv heads, head_dim 16, fp32
 LEASE_S = 3.0
 DRAFT_TIMEOUT_S = 1.0
 KEYS = ("k-alice", "k-bob")
@@ -37,7 +34,7 @@ def stack(tiny_target, tmp_path_factory):
     metrics_port = free_port()
     stack = LocalStack(
         str(tiny_target), "ngram", drafters=1, gateway_listen=f"127.0.0.1:{free_port()}", log_dir=logs,
-        verifier_args=("--page-size", "16", "--kv-budget-mb", str(KV_PAGES * PAGE_BYTES / (1 << 20)),
+        verifier_args=("--page-size", "16", "--kv-budget-mb", kv_budget_mb(KV_PAGES),
                        "--max-context", "4096", "--prefill-chunk", "16", "--tree-budget", "8",
                        "--session-lease-s", str(LEASE_S), "--draft-timeout-s", str(DRAFT_TIMEOUT_S),
                        "--metrics-port", str(metrics_port)),
@@ -50,23 +47,12 @@ def stack(tiny_target, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(tiny_target):
-    """Plain greedy decoding in this process: what every generation through the stack must equal."""
-    engine = make_engine(tiny_target, page_size=64)
-
-    def expected(prompt: str | list[int], max_new: int) -> list[int]:
-        ids = engine.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
-        params = SamplingParams(max_new_tokens=max_new, ignore_eos=True)
-        return generate_offline(engine, None, ids, params).token_ids
-    return expected
+    expected = greedy_reference(tiny_target, default_max_new=16, ignore_eos=True)
+    return lambda prompt, max_new: expected(expected.encode(prompt) if isinstance(prompt, str) else prompt, max_new)
 
 
 def client(stack: LocalStack, key: str = KEYS[0], timeout: float | None = 30) -> Client:
     return Client(stack.addresses["gateway"], api_key=key, timeout=timeout)
-
-
-def verifier_info(stack: LocalStack) -> verifier_pb2.VerifierInfoReply:
-    with grpc.insecure_channel(stack.addresses["verifier"]) as channel:
-        return verifier_pb2_grpc.VerifierStub(channel).Info(verifier_pb2.VerifierInfoRequest(), timeout=5)
 
 
 def settles(condition, timeout_s: float) -> bool:
@@ -215,8 +201,7 @@ def test_a_frozen_drafter_costs_one_timeout_and_a_restarted_one_is_used_again(st
 
 def trees(stack: LocalStack) -> float:
     """Trees the verifier received, over every replica."""
-    text = urllib.request.urlopen(stack.metrics_url, timeout=5).read().decode()
-    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith("ddtree_verifier_trees_total"))
+    return verifier_metric(stack.metrics_url, "ddtree_verifier_trees")
 
 
 # ---- 5. a frozen or dead verifier --------------------------------------------------------------------------

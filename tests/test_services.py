@@ -4,10 +4,8 @@ each a separate process (the local stack), against `ddtree offline` computed in 
 from __future__ import annotations
 
 import asyncio
-import re
 import threading
 import time
-import urllib.request
 
 import grpc
 import pytest
@@ -16,8 +14,10 @@ from ddtree.client import AsyncClient, Client
 from ddtree.local_stack import LocalStack, free_port
 from ddtree.offline import generate_offline
 from modeling.tiny import make_tiny_drafter
-from proto import common_pb2, verifier_pb2, verifier_pb2_grpc
+from proto import common_pb2
+from tests import stack_helpers
 from tests.engine_helpers import make_engine
+from tests.stack_helpers import greedy_reference, kv_budget_mb, verifier_info
 from verifier_service.engine.sampling import SamplingParams
 
 MAX_NEW = 24
@@ -28,9 +28,8 @@ KV_PAGES = 160  # of 16 tokens: the verifier's --kv-budget-mb below holds exactl
 def stack(tiny_target, tmp_path_factory):
     drafter = make_tiny_drafter(tmp_path_factory.mktemp("dflash"), tiny_target, seed=1)
     metrics_port = free_port()
-    page_bytes = 2 * 4 * 16 * 2 * 16 * 4  # K+V, 4 layers, 16 slots, 2 kv heads, head_dim 16, fp32
     stack = LocalStack(str(tiny_target), str(drafter), drafters=2, gateway_listen=f"127.0.0.1:{free_port()}",
-                       verifier_args=("--page-size", "16", "--kv-budget-mb", str(KV_PAGES * page_bytes / (1 << 20)),
+                       verifier_args=("--page-size", "16", "--kv-budget-mb", kv_budget_mb(KV_PAGES),
                                       "--max-context", "4096", "--metrics-port", str(metrics_port),
                                       "--tree-budget", "8"),
                        log_dir=tmp_path_factory.mktemp("logs"))
@@ -41,13 +40,7 @@ def stack(tiny_target, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(tiny_target):
-    """Plain greedy decoding in this process: what every speculative path must reproduce."""
-    engine = make_engine(tiny_target, page_size=64)
-
-    def expected(prompt_ids: list[int], max_new: int = MAX_NEW) -> list[int]:
-        return generate_offline(engine, None, prompt_ids, SamplingParams(max_new_tokens=max_new)).token_ids
-    expected.encode = engine.tokenizer.encode
-    return expected
+    return greedy_reference(tiny_target, MAX_NEW)
 
 
 def client(stack) -> Client:
@@ -55,14 +48,7 @@ def client(stack) -> Client:
 
 
 def verifier_metric(stack, name: str, label: str = "") -> float:
-    text = urllib.request.urlopen(stack.metrics_url, timeout=5).read().decode()
-    pattern = rf"^{name}(?:_total)?{re.escape(label)} ([0-9.e+]+)$"
-    return sum(float(m) for m in re.findall(pattern, text, flags=re.M))
-
-
-def verifier_info(stack) -> verifier_pb2.VerifierInfoReply:
-    with grpc.insecure_channel(stack.addresses["verifier"]) as channel:
-        return verifier_pb2_grpc.VerifierStub(channel).Info(verifier_pb2.VerifierInfoRequest(), timeout=5)
+    return stack_helpers.verifier_metric(stack.metrics_url, name, label)
 
 
 def free_pages(stack) -> int:
