@@ -16,6 +16,7 @@ from verifier_service.batcher import StepBatcher
 from verifier_service.drafter_pool import DrafterPool
 from verifier_service.metrics import VerifierMetrics
 from verifier_service.service import VerifierService
+from verifier_service.servicer import run_ahead
 from verifier_service.worker import EngineWorker
 
 PROMPT = list(b"no drafter, no problem")
@@ -192,5 +193,23 @@ def test_a_cancelled_prefill_and_a_lapsed_lease_release_their_sessions(tiny_targ
             await asyncio.sleep(0.2)
         assert set(engine.sessions) == {kept}
         await service.stop()
+
+    asyncio.run(main())
+
+
+def test_run_ahead_stops_producing_when_the_stream_stops_reading() -> None:
+    produced = []
+
+    async def steps():
+        for i in range(100):
+            produced.append(i)
+            yield i
+
+    async def main() -> None:
+        events = run_ahead(steps(), limit=3)
+        assert await anext(events) == 0
+        await asyncio.sleep(0.05)  # the reader stalls: the producer may run `limit` events ahead, no more
+        assert len(produced) == 1 + 3 + 1  # read, held in the queue, and the one waiting for room
+        assert [e async for e in events] == list(range(1, 100))
 
     asyncio.run(main())

@@ -40,8 +40,9 @@ STOP_REASONS = {
 }
 
 # NOTE: steps a generation may run ahead of its stream's writes; a reader that stalls holds the producer
-# here instead of letting finished steps (and their features) pile up.
-RUN_AHEAD_STEPS = 2
+# here instead of letting finished steps (and their features) pile up. Roomy: a write that lags a step or
+# two behind (the gateway's loop was busy) must not stall the drafting of the next steps.
+RUN_AHEAD_STEPS = 16
 
 
 def _status(error: Exception) -> grpc.StatusCode:
