@@ -207,8 +207,9 @@ def trees(stack: LocalStack) -> float:
 # ---- 5. a frozen or dead verifier --------------------------------------------------------------------------
 
 def test_a_frozen_verifier_is_unavailable_not_a_hang_and_recovers(stack, reference) -> None:
-    generation = client(stack, timeout=None).generate("the verifier freezes under this one", max_new_tokens=3000,
-                                                      ignore_eos=True)
+    # NOTE: deadlines far beyond what keepalive needs, so a regression fails the test instead of hanging it
+    generation = client(stack, timeout=30).generate("the verifier freezes under this one", max_new_tokens=3000,
+                                                    ignore_eos=True)
     next(iter(generation))
     stack.pause("verifier")
     try:
@@ -217,7 +218,7 @@ def test_a_frozen_verifier_is_unavailable_not_a_hang_and_recovers(stack, referen
         assert time.monotonic() - started < 6
         time.sleep(2.5)  # the gateway's poll has marked it down: new sessions fail at once
         started = time.monotonic()
-        expect_status(Code.UNAVAILABLE, lambda: client(stack, timeout=None).create_session("x"))
+        expect_status(Code.UNAVAILABLE, lambda: client(stack, timeout=30).create_session("x"))
         assert time.monotonic() - started < 1
     finally:
         stack.resume("verifier")
