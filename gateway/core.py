@@ -159,6 +159,7 @@ class GatewayCore:
             if not keep:
                 await self._forget(handle, caller.owner, release=relay.stop_reason is None)
         yield relay.summary(handle if keep else "", prompt_tokens=len(prompt))
+
     # -- model and service
 
     def model_info(self) -> gateway_pb2.ModelInfo:
@@ -217,7 +218,7 @@ class GatewayCore:
         quota = self._kv_quota(account)
         held = self.registry.kv_tokens(account)
         if quota is not None and held + adding > quota:
-            raise QuotaExceeded(f"kv quota: this key holds {held} of its {quota} KV tokens and asks for {adding} "
+            raise QuotaExceeded(f"kv quota: the caller holds {held} of its {quota} KV tokens and asks for {adding} "
                                 "more (prompt, appended text and max_new_tokens); release a session first")
 
     def _kv_quota(self, account: str | None) -> int | None:

@@ -77,8 +77,8 @@ class SessionRegistry:
         """Raise TooManySessions when the account is full: checked before the (costly) prefill, and again
         by `create`."""
         if not self.can_create(account):
-            raise TooManySessions(f"session: this key already holds {self.max_sessions_per_key} sessions; "
-                                  "release one first")
+            raise TooManySessions(f"session: the caller already holds {self.max_sessions_per_key} sessions, its "
+                                  "limit; release one first")
 
     def create(self, owner: str | None, verifier: str, verifier_session_id: str, *, account: str | None,
                tokens: int = 0) -> SessionEntry:
