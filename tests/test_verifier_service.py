@@ -13,7 +13,7 @@ from modeling.tree import DraftTree
 from proto import drafter_pb2, drafter_pb2_grpc
 from tests.engine_helpers import GREEDY, make_engine, plain_generate
 from verifier_service.batcher import StepBatcher
-from verifier_service.drafter_pool import DrafterPool
+from verifier_service.drafter_pool import DrafterPool, ReplicaLink
 from verifier_service.metrics import VerifierMetrics
 from verifier_service.service import VerifierService
 from verifier_service.servicer import run_ahead
@@ -211,5 +211,28 @@ def test_run_ahead_stops_producing_when_the_stream_stops_reading() -> None:
         await asyncio.sleep(0.05)  # the reader stalls: the producer may run `limit` events ahead, no more
         assert len(produced) == 1 + 3 + 1  # read, held in the queue, and the one waiting for room
         assert [e async for e in events] == list(range(1, 100))
+
+    asyncio.run(main())
+
+
+def test_a_replica_whose_stream_stopped_taking_requests_is_stalled_not_queued_to(monkeypatch) -> None:
+    """The requests waiting for one replica's stream are bounded: once full, a step runs without that replica at
+    once (no timeout to wait) and the replica is marked as stalled."""
+    monkeypatch.setattr("verifier_service.drafter_pool.OUTBOX_LIMIT", 4)
+
+    async def main() -> None:
+        metrics = VerifierMetrics()
+        pool = DrafterPool("127.0.0.1:9", metrics, timeout_s=5.0, refresh_s=60.0)
+        link = ReplicaLink("127.0.0.1:9", lambda session_id: None, lambda: None)
+        link.alive = True  # as if its stream were open, but nothing reads the outbox
+        pool.links[link.address] = link
+        pool.attach("s", lambda: [1, 2, 3], None)
+        for _ in range(4):
+            link.send(drafter_pb2.DrafterRequest())
+        started = time.perf_counter()
+        assert await pool.draft("s", 0, [], None, 4, 3, 15) is None
+        assert time.perf_counter() - started < 0.5 and link.outbox.qsize() == 4
+        assert not link.healthy and metrics.drafter_stalls._value.get() == 1
+        await pool.stop()
 
     asyncio.run(main())
