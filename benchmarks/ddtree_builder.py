@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from drafter_service.ddtree import best_first_tree, build_ddtree, top_k_per_depth  # noqa: E402
+from drafter_service.tree_builder import best_first_tree, build_ddtree, top_k_per_depth  # noqa: E402
 
 BLOCK_SIZE = 16
 VOCAB = 151936

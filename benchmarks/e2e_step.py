@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from drafter_service.dflash_tree_drafter import DFlashTreeDrafter
+from drafter_service.dflash_drafter import DFlashDrafter
 from drafter_service.drafter import StepRequest
 from modeling.config import ModelConfig
 from modeling.dflash import DFlashConfig, DFlashModel
@@ -83,7 +83,7 @@ def matmul_rate(device: str) -> float:
 
 def random_tree(budget: int, vocab: int, generator: torch.Generator) -> DraftTree:
     """A DDTree-like shape: a best-first tree of `budget` nodes over random per-depth scores."""
-    from drafter_service.ddtree import build_ddtree
+    from drafter_service.tree_builder import build_ddtree
 
     return build_ddtree(torch.randn(15, vocab, generator=generator).log_softmax(-1), budget)
 
@@ -189,7 +189,7 @@ def kernel_breakdown(fn, steps: int = 5) -> dict[str, float]:
     return dict(sorted(totals.items(), key=lambda item: -item[1]))
 
 
-def measure(engine: Engine, hf, drafter: DFlashTreeDrafter, context: int, budget: int, floor: dict) -> dict:
+def measure(engine: Engine, hf, drafter: DFlashDrafter, context: int, budget: int, floor: dict) -> dict:
     generator = torch.Generator().manual_seed(context + budget)
     config = engine.model_config
     tree = random_tree(budget, config.vocab_size, generator)
@@ -295,7 +295,7 @@ def main() -> None:
                                        max_context=max_context))
     engine.kv.k.normal_()
     engine.kv.v.normal_()
-    drafter = DFlashTreeDrafter(draft_model, WINDOW)
+    drafter = DFlashDrafter(draft_model, WINDOW)
     floor = {"bandwidth": copy_bandwidth(device), "rate": matmul_rate(device),
              "weight_bytes": sum(p.numel() * 2 for p in ours.parameters()),
              "matmul_params": sum(p.numel() for name, p in ours.named_parameters()

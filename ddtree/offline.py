@@ -7,7 +7,7 @@ import itertools
 import time
 from dataclasses import asdict, dataclass
 
-from drafter_service.drafter import SessionDrafter, StepRequest
+from drafter_service.drafter import Drafter, StepRequest
 from modeling.tree import DraftTree
 from verifier_service.engine.engine import Engine
 from verifier_service.engine.sampling import SamplingParams
@@ -32,7 +32,7 @@ class OfflineResult:
                 "tokens_per_s": self.tokens_per_s}
 
 
-def _open_drafter(engine: Engine, drafter: SessionDrafter, prompt: list[int]) -> str:
+def _open_drafter(engine: Engine, drafter: Drafter, prompt: list[int]) -> str:
     info = drafter.info
     window = info.context_window
     engine.feature_layers = info.target_layer_ids
@@ -44,7 +44,7 @@ def _open_drafter(engine: Engine, drafter: SessionDrafter, prompt: list[int]) ->
     return session.session_id
 
 
-def generate_offline(engine: Engine, drafter: SessionDrafter | None, prompt: list[int], params: SamplingParams,
+def generate_offline(engine: Engine, drafter: Drafter | None, prompt: list[int], params: SamplingParams,
                      tree_budget: int = 15) -> OfflineResult:
     started = time.perf_counter()
     session_id = _open_drafter(engine, drafter, prompt) if drafter else engine.create_session(prompt)[0].session_id

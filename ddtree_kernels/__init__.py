@@ -13,7 +13,6 @@ _EXPORTS = {
     "SplitConfig": "ddtree_kernels.split_kv",
     "commit_kv": "ddtree_kernels.commit_kv",
     "hybrid_verify_attention": "ddtree_kernels.verify_attention",
-    "paged_decode_attention": "ddtree_kernels.paged_decode",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -1,237 +1,73 @@
-"""The DFlash drafter's session mirror: per-session context K/V in fixed slots, drafts batched over sessions.
-
-Each open session owns a slot of per-layer buffers [max_sessions, C + B, Hkv, D] holding the K/V of its most
-recent committed positions (they depend only on the target features, so they are computed once, when the
-tokens are committed). Position p lives in row p % C of its slot, a ring, so appends never move rows, and a
-per-slot position array says what each row holds (-1 = empty); a draft batch just names slots. A layer
-keeps what its queries can see (the sliding window, the serving window W) plus one block of slack, so a
-rollback of up to one block (crop) drafts exactly as a mirror that never went past it. A layer with no
-bound (no W, not sliding) grows its buffers, and moves them, as sessions grow: drafts then run eagerly.
-"""
+"""The DFlash drafter behind the Drafter interface: features in, one batched forward, DDTrees out."""
 
 from __future__ import annotations
 
-import heapq
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import NamedTuple
-
 import torch
 
-from modeling.dflash import DFlashModel, KeyValue, LayerContext
-
-
-class SessionNotFound(KeyError):
-    """The session is not open here (never opened, closed, or on another replica): re-seed it with open."""
-
-
-class StaleStep(ValueError):
-    """A step number not above the session's last one: the verifier no longer waits for it."""
-
-
-class TooManySessions(ValueError):
-    """Every slot is taken: a new session must wait for another to close."""
-
-
-class DraftRequest(NamedTuple):
-    session_id: str
-    features: torch.Tensor  # [m, F] target features of the tokens committed since the last draft
-    bonus_token: int  # the pending root, not yet committed
-    step_number: int | None = None  # when given, must increase per session
-
-
-class DraftInputs(NamedTuple):
-    """What one batched draft needs per session, as host lists of S ints (DFlashModel.draft_logits)."""
-
-    slots: list[int]
-    roots: list[int]
-    starts: list[int]  # committed length n: the block sits at positions n..n+B-1
-
-
-@dataclass
-class _Mirror:
-    slot: int
-    length: int  # committed positions n; the next block starts at position n
-    first: int  # the oldest position an unbounded layer holds (its ring must span first..n-1)
-    last_step: int | None = None
-
-
-class _Rows(NamedTuple):
-    """Newly committed tokens' K/V for every layer, computed but not yet stored."""
-
-    kv: list[KeyValue]  # per layer (K, V) [N, Hkv, D]
-    positions: torch.Tensor  # [N] int64, host
-    owners: torch.Tensor  # [N] int64, host: the index of each row's mirror
-    counts: list[int]  # positions each mirror gains
+from drafter_service.dflash_mirrors import DFlashMirrors, SessionNotFound
+from drafter_service.draft_graphs import DraftGraphs
+from drafter_service.drafter import DrafterInfo, StepRequest, UnknownSession
+from drafter_service.tree_builder import trees_from_top_k
+from modeling.dflash import DFlashModel
+from modeling.tree import DraftTree
 
 
 class DFlashDrafter:
-    """The mirrors of one replica's sessions over one loaded DFlash model (not thread-safe)."""
-
-    def __init__(self, model: DFlashModel, context_window: int | None = None, max_sessions: int = 64):
-        """context_window: W, the most recent committed positions every layer attends to (None = all);
-        max_sessions: slots, i.e. sessions open at once (bounded layers allocate them all up front)."""
+    def __init__(self, model: DFlashModel, context_window: int | None, max_budget: int = 255, max_sessions: int = 64,
+                 cuda_graphs: bool = True):
+        """max_sessions: mirrors open at once (opening one more raises TooManySessions, a ValueError);
+        cuda_graphs: replay the draft from CUDA graphs where it can (a CUDA model and a context window)."""
         config = model.config
-        if context_window is not None and context_window < config.block_size:
-            raise ValueError(f"context window {context_window} is smaller than the block size {config.block_size}")
-        if max_sessions < 1:
-            raise ValueError(f"max_sessions must be >= 1, got {max_sessions}")
-        self.model, self.context_window, self.max_sessions = model, context_window, max_sessions
-        visible = [config.visible_context(i, context_window) for i in range(config.model.num_layers)]
-        self._retained = [None if v is None else v + config.block_size for v in visible]
-        self.contexts = [self._allocate(max_sessions, r) if r is not None else self._allocate(0, config.block_size)
-                         for r in self._retained]
-        self._free = list(range(max_sessions))  # a heap: the lowest free slot goes first
-        self._sessions: dict[str, _Mirror] = {}
+        if model.fc.weight.is_cuda:
+            for layer in model.layers:
+                layer.fuse_projections()
+        self.mirrors = DFlashMirrors(model, context_window, max_sessions)
+        self.graphs = DraftGraphs(self.mirrors, max_budget, cuda_graphs)
+        self.weight = model.fc.weight
+        self.info = DrafterInfo("dflash", config.block_size, context_window, tuple(config.target_layer_ids),
+                                config.feature_dim, max_budget)
 
-    @property
-    def block_size(self) -> int:
-        return self.model.config.block_size
+    def _features(self, features: torch.Tensor | None, rows: int, field: str) -> torch.Tensor:
+        if features is None:
+            features = self.weight.new_zeros(0, self.info.feature_dim)
+        if features.ndim != 2 or features.shape != (rows, self.info.feature_dim):
+            raise ValueError(f"{field} must be [{rows}, {self.info.feature_dim}], got {list(features.shape)}")
+        return features.to(device=self.weight.device, dtype=self.weight.dtype)
 
-    @property
-    def bounded(self) -> bool:
-        """Every layer's buffers keep their size and address for good (what a CUDA graph of the draft needs)."""
-        return None not in self._retained
+    def open(self, session_id: str, tokens: list[int], features: torch.Tensor | None, start_position: int) -> None:
+        if features is None or features.ndim != 2:
+            raise ValueError("open.features are required by the DFlash drafter ([m, F])")
+        rows = features.shape[0]
+        if rows > len(tokens):
+            raise ValueError(f"open.features has {rows} rows for {len(tokens)} tokens")
+        features = self._features(features, rows, "open.features")
+        self.mirrors.open(session_id, features, start_position + len(tokens) - rows)
 
-    def __contains__(self, session_id: str) -> bool:
-        return session_id in self._sessions
+    def warmup(self) -> None:
+        """Capture the draft graph of every batch size now, rather than in the first batch of each size."""
+        self.graphs.warmup()
 
-    def context_length(self, session_id: str) -> int:
-        """Committed positions the session's mirror covers (the next block starts there)."""
-        return self._mirror(session_id).length
-
-    @torch.inference_mode()
-    def open(self, session_id: str, features: torch.Tensor, start_position: int) -> None:
-        """Seed (or replace) a mirror: features [n, F] of committed tokens at start_position.. (only the
-        last ones the layers can see are used). Raises TooManySessions when every slot is taken."""
-        old = self._sessions.get(session_id)
-        if old is None and not self._free:
-            raise TooManySessions(f"{self.max_sessions} sessions are open on this drafter (its max_sessions); "
-                                  "close one first")
-        mirror = _Mirror(-1, start_position, start_position)
-        rows = self._project([mirror], [features])  # NOTE: may raise; nothing has changed yet
-        mirror.slot = old.slot if old is not None else heapq.heappop(self._free)
-        for context in self.contexts:
-            if mirror.slot < context.positions.shape[0]:
-                context.positions[mirror.slot] = -1
-        self._write([mirror], rows)
-        self._sessions[session_id] = mirror
-
-    def step(self, session_id: str, committed_features: torch.Tensor, bonus_token: int,
-             step_number: int | None = None) -> torch.Tensor:
-        """committed_features: [m, F] -> per-depth log-probs [B-1, V] of the block under bonus_token."""
-        return self.draft_batch([DraftRequest(session_id, committed_features, bonus_token, step_number)])[0]
-
-    @torch.inference_mode()
-    def crop(self, session_id: str, num_positions: int) -> None:
-        """Roll the mirror back to `num_positions` committed positions (e.g. tokens past a stop)."""
-        mirror = self._mirror(session_id)
-        if num_positions > mirror.length:
-            raise ValueError(f"cannot crop session {session_id!r} of {mirror.length} positions to {num_positions}")
-        for context in self.contexts:
-            held = context.positions[mirror.slot]
-            held.masked_fill_(held >= num_positions, -1)
-        mirror.length, mirror.first = num_positions, min(mirror.first, num_positions)
+    def draft(self, requests: list[StepRequest]) -> list[DraftTree]:
+        if not requests:
+            return []
+        checked = []
+        for r in requests:
+            if r.session_id not in self.mirrors:
+                raise UnknownSession(f"session {r.session_id!r} is not open on this drafter")
+            if r.position > self.mirrors.context_length(r.session_id):
+                raise ValueError(f"step.position {r.position} is past the mirror's "
+                                 f"{self.mirrors.context_length(r.session_id)} positions")
+            checked.append(self._features(r.features, len(r.committed), "step.features"))
+        for r in requests:
+            if r.position < self.mirrors.context_length(r.session_id):
+                self.mirrors.crop(r.session_id, r.position)  # the verifier rolled back (a stop)
+        try:
+            inputs = self.mirrors.commit([(r.session_id, f, r.bonus, r.step) for r, f in zip(requests, checked)])
+        except SessionNotFound as error:
+            raise UnknownSession(str(error)) from error
+        budgets = [min(r.budget, self.info.max_budget) for r in requests]
+        values, ids = self.graphs.run(inputs, max(budgets))  # [S, B-1, max budget] on the host
+        return trees_from_top_k(values, ids, budgets)
 
     def close(self, session_id: str) -> None:
-        mirror = self._sessions.pop(session_id, None)
-        if mirror is not None:
-            heapq.heappush(self._free, mirror.slot)
-
-    @torch.inference_mode()
-    def commit(self, requests: Sequence[DraftRequest | tuple]) -> DraftInputs:
-        """Add each request's committed features to its mirror -> the batch's draft inputs. Nothing changes
-        if any request is invalid (unknown or repeated session, stale step, malformed features)."""
-        requests = [DraftRequest(*r) for r in requests]
-        mirrors = [self._mirror(r.session_id) for r in requests]
-        if len({r.session_id for r in requests}) != len(requests):
-            raise ValueError("a session may appear once per draft batch")
-        for request, mirror in zip(requests, mirrors):
-            if request.step_number is not None and mirror.last_step is not None \
-                    and request.step_number <= mirror.last_step:
-                raise StaleStep(f"session {request.session_id!r}: step {request.step_number} <= {mirror.last_step}")
-        if requests:
-            self._write(mirrors, self._project(mirrors, [r.features for r in requests]))
-        for request, mirror in zip(requests, mirrors):
-            if request.step_number is not None:
-                mirror.last_step = request.step_number
-        return DraftInputs([m.slot for m in mirrors], [r.bonus_token for r in requests], [m.length for m in mirrors])
-
-    @torch.inference_mode()
-    def draft_batch(self, requests: Sequence[DraftRequest | tuple]) -> torch.Tensor:
-        """commit, then the full per-depth distributions of all sessions in one eager forward -> log-probs
-        [S, B-1, V] (fp32). Serving drafts only the top-k (DraftGraphs); this is the whole picture."""
-        inputs = self.commit(requests)
-        head = self.model.lm_head.weight
-        if not inputs.slots:
-            return torch.empty(0, self.block_size - 1, head.shape[0], device=head.device)
-        slots, roots, starts = torch.tensor(inputs, device=head.device)
-        logits = self.model.draft_logits(roots, starts, slots, self.contexts, self.context_window)
-        return torch.log_softmax(logits.float(), dim=-1)
-
-    def _mirror(self, session_id: str) -> _Mirror:
-        if session_id not in self._sessions:
-            raise SessionNotFound(session_id)
-        return self._sessions[session_id]
-
-    def _allocate(self, rows: int, capacity: int) -> LayerContext:
-        config, weight = self.model.config.model, self.model.fc.weight
-        shape = (rows, capacity + self.block_size, config.num_kv_heads, config.head_dim)
-        return LayerContext(weight.new_zeros(shape), weight.new_zeros(shape),
-                            torch.full((rows, capacity), -1, dtype=torch.long, device=weight.device))
-
-    def _project(self, mirrors: list[_Mirror], features: list[torch.Tensor]) -> _Rows:
-        """K/V of newly committed tokens (one projection for all sessions), only of those a layer may keep."""
-        most = None if None in self._retained else max(self._retained)
-        kept = [f if most is None else f[max(0, f.shape[0] - most):] for f in features]
-        ends = [m.length + f.shape[0] for m, f in zip(mirrors, features)]
-        positions = torch.cat([torch.arange(end - k.shape[0], end) for end, k in zip(ends, kept)])
-        owners = torch.repeat_interleave(torch.arange(len(kept)), torch.tensor([k.shape[0] for k in kept]))
-        return _Rows(self._kv_rows(torch.cat(kept), positions), positions, owners, [f.shape[0] for f in features])
-
-    def _kv_rows(self, features: torch.Tensor, positions: torch.Tensor) -> list[KeyValue]:
-        # features: [N, F]; positions: [N] -> per layer (K, V) [N, Hkv, D]
-        device = self.model.fc.weight.device
-        return self.model.context_key_values(self.model.context_features(features.to(device)), positions.to(device))
-
-    def _write(self, mirrors: list[_Mirror], rows: _Rows) -> None:
-        """Store projected rows in the mirrors' slots: each layer keeps each session's last C positions."""
-        ends = [m.length + count for m, count in zip(mirrors, rows.counts)]
-        self._reserve(mirrors, ends)
-        slots = torch.tensor([m.slot for m in mirrors])[rows.owners]  # [N]
-        limits = torch.tensor(ends)[rows.owners]  # [N]: each row's session end
-        device = self.model.fc.weight.device
-        scatter: dict[int, tuple[torch.Tensor, ...]] = {}  # capacity -> (kept rows, slot, ring row, position)
-        for (keys, values), context in zip(rows.kv, self.contexts):
-            capacity = context.capacity
-            if capacity not in scatter:
-                kept = (rows.positions >= limits - capacity).nonzero().squeeze(1)
-                position = rows.positions[kept]
-                scatter[capacity] = tuple(t.to(device) for t in (kept, slots[kept], position % capacity, position))
-            kept, slot, ring, position = scatter[capacity]
-            context.keys[slot, ring] = keys[kept]
-            context.values[slot, ring] = values[kept]
-            context.positions[slot, ring] = position
-        for mirror, end in zip(mirrors, ends):
-            mirror.length = end
-
-    def _reserve(self, mirrors: list[_Mirror], ends: list[int]) -> None:
-        """Grow the unbounded layers to hold these slots and spans of positions (bounded ones never move)."""
-        rows = max(m.slot for m in mirrors) + 1
-        span = max(end - m.first for m, end in zip(mirrors, ends))
-        for layer, context in enumerate(self.contexts):
-            have = context.positions.shape[0]
-            if self._retained[layer] is None and (rows > have or span > context.capacity):
-                grown = self._allocate(min(max(rows, 2 * have), self.max_sessions), max(span, 2 * context.capacity))
-                self.contexts[layer] = _relayout(context, grown)
-
-
-def _relayout(old: LayerContext, new: LayerContext) -> LayerContext:
-    """Move every held row of `old` into the ring of the larger `new` (position p to row p % capacity)."""
-    slot, row = (old.positions >= 0).nonzero(as_tuple=True)
-    position = old.positions[slot, row]
-    ring = position % new.capacity
-    new.keys[slot, ring] = old.keys[slot, row]
-    new.values[slot, ring] = old.values[slot, row]
-    new.positions[slot, ring] = position
-    return new
+        self.mirrors.close(session_id)

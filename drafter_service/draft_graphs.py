@@ -15,8 +15,8 @@ from typing import NamedTuple
 
 import torch
 
-from drafter_service.ddtree import top_k_log_probs
-from drafter_service.dflash_drafter import DFlashDrafter, DraftInputs
+from drafter_service.dflash_mirrors import DFlashMirrors, DraftInputs
+from drafter_service.tree_builder import top_k_log_probs
 from modeling.graph_capture import buckets, capture
 
 
@@ -29,7 +29,7 @@ class _Captured(NamedTuple):
 class DraftGraphs:
     """Drafts a batch of committed mirrors down to ranked per-depth top-k lists on the host."""
 
-    def __init__(self, mirrors: DFlashDrafter, top_k: int, cuda_graphs: bool = True):
+    def __init__(self, mirrors: DFlashMirrors, top_k: int, cuda_graphs: bool = True):
         """top_k: K, the ranks kept per depth (the largest tree budget served)."""
         self.mirrors, self.top_k = mirrors, top_k
         self.device = device = mirrors.model.fc.weight.device

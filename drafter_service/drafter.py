@@ -34,7 +34,7 @@ class DrafterInfo:
     max_budget: int
 
 
-class SessionDrafter(Protocol):
+class Drafter(Protocol):
     info: DrafterInfo
 
     def open(self, session_id: str, tokens: list[int], features: torch.Tensor | None, start_position: int) -> None:

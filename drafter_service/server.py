@@ -8,7 +8,7 @@ import os
 import socket
 import sys
 
-from drafter_service.drafter import SessionDrafter
+from drafter_service.drafter import Drafter
 from drafter_service.servicer import DrafterServicer
 from proto import drafter_pb2, drafter_pb2_grpc
 from proto.serving import (
@@ -41,18 +41,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 def load_drafter(drafter: str, target: str | None, device: str = "cpu", dtype: str | None = None,
                  context_window: int | None = 1024, max_budget: int = 255,
-                 ngram_sizes: tuple[int, int] = (1, 4)) -> SessionDrafter:
+                 ngram_sizes: tuple[int, int] = (1, 4)) -> Drafter:
     """`drafter` is a DFlash checkpoint directory or 'ngram'."""
     if drafter == "ngram":
-        from drafter_service.ngram_tree_drafter import NgramTreeDrafter
+        from drafter_service.ngram_drafter import NgramDrafter
 
-        return NgramTreeDrafter(*ngram_sizes, max_budget=max_budget)
-    from drafter_service.dflash_tree_drafter import DFlashTreeDrafter
+        return NgramDrafter(*ngram_sizes, max_budget=max_budget)
+    from drafter_service.dflash_drafter import DFlashDrafter
     from modeling.dflash import load_dflash
 
     if not target:
         raise ValueError("a DFlash drafter needs the target checkpoint (it shares its embed_tokens and lm_head)")
-    tree_drafter = DFlashTreeDrafter(load_dflash(drafter, target, dtype, device), context_window, max_budget=max_budget)
+    tree_drafter = DFlashDrafter(load_dflash(drafter, target, dtype, device), context_window, max_budget=max_budget)
     tree_drafter.warmup()  # NOTE: captures the CUDA graphs of every batch size now, not during the first steps
     return tree_drafter
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 import grpc
 import torch
 
-from drafter_service.drafter import SessionDrafter, StepRequest, UnknownSession
+from drafter_service.drafter import Drafter, StepRequest, UnknownSession
 from modeling.tree import DraftTree
 from proto import common_pb2, drafter_pb2, drafter_pb2_grpc
 from proto.tensors import from_proto
@@ -125,7 +125,7 @@ def _error_code(error: Exception) -> grpc.StatusCode:
 
 
 class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
-    def __init__(self, drafter: SessionDrafter, replica_id: str):
+    def __init__(self, drafter: Drafter, replica_id: str):
         self.drafter, self.replica_id = drafter, replica_id
         self.queued: dict[str, _Queued] = {}
         self.wakeup = asyncio.Event()

@@ -15,9 +15,9 @@ from grpc_health.v1 import health, health_pb2
 
 from gateway.auth import ApiKeys
 from gateway.config import GatewayConfig
-from gateway.core import GatewayCore
 from gateway.metrics import GatewayMetrics
-from gateway.service import GatewayServicer
+from gateway.service import GatewayService
+from gateway.servicer import GatewayServicer
 from gateway.verifiers import VerifierPool
 from modeling.tokenizer import Tokenizer
 from proto import gateway_pb2, gateway_pb2_grpc
@@ -40,7 +40,7 @@ GATEWAY_SERVICE = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
 class RunningGateway:
     server: grpc.aio.Server
     port: int  # the bound gRPC port (useful with "host:0")
-    core: GatewayCore
+    service: GatewayService
     metrics_http: object | None  # the /metrics HTTP server, when on
     housekeeping: asyncio.Task
 
@@ -51,8 +51,8 @@ class RunningGateway:
         await self.server.stop(grace_s)
         if self.metrics_http is not None:
             self.metrics_http.shutdown()
-        await self.core.pool.close()
-        self.core.close()
+        await self.service.pool.close()
+        self.service.close()
 
 
 async def start(config: GatewayConfig, keys: ApiKeys) -> RunningGateway:
@@ -60,33 +60,33 @@ async def start(config: GatewayConfig, keys: ApiKeys) -> RunningGateway:
     metrics = GatewayMetrics()
     pool = VerifierPool(config.verifiers, channel_options(config.max_message_bytes, config.verifier_keepalive_s,
                                                           config.verifier_keepalive_timeout_s))
-    core = GatewayCore(config, pool, Tokenizer.from_dir(config.tokenizer_dir), metrics)
+    service = GatewayService(config, pool, Tokenizer.from_dir(config.tokenizer_dir), metrics)
     server = new_server(server_options(config.max_message_bytes, config.max_connection_age_s,
                                        config.max_connection_age_grace_s))
-    gateway_pb2_grpc.add_GatewayServicer_to_server(GatewayServicer(core, keys), server)
+    gateway_pb2_grpc.add_GatewayServicer_to_server(GatewayServicer(service, keys), server)
     health_servicer = add_health_and_reflection(server, [GATEWAY_SERVICE])
-    await _refresh(core, health_servicer)
+    await _refresh(service, health_servicer)
     port = bind(server, config.listen)
     metrics_http = metrics.serve_http(config.metrics_port, config.metrics_addr) if config.metrics_port else None
     await server.start()
-    housekeeping = asyncio.create_task(_housekeep(core, health_servicer, config.housekeeping_interval_s))
+    housekeeping = asyncio.create_task(_housekeep(service, health_servicer, config.housekeeping_interval_s))
     log.info("gateway listening on %s (port %d), verifiers %s", config.listen, port, ", ".join(config.verifiers))
-    return RunningGateway(server, port, core, metrics_http, housekeeping)
+    return RunningGateway(server, port, service, metrics_http, housekeeping)
 
 
-async def _refresh(core: GatewayCore, health_servicer: health.aio.HealthServicer) -> None:
+async def _refresh(service: GatewayService, health_servicer: health.aio.HealthServicer) -> None:
     """Serving while at least one verifier answers: a gateway without one can only fail calls."""
-    await core.refresh()
-    status = health_pb2.HealthCheckResponse.SERVING if core.pool.up else health_pb2.HealthCheckResponse.NOT_SERVING
-    for service in ("", GATEWAY_SERVICE):
-        await health_servicer.set(service, status)
+    await service.refresh()
+    status = health_pb2.HealthCheckResponse.SERVING if service.pool.up else health_pb2.HealthCheckResponse.NOT_SERVING
+    for name in ("", GATEWAY_SERVICE):
+        await health_servicer.set(name, status)
 
 
-async def _housekeep(core: GatewayCore, health_servicer: health.aio.HealthServicer, interval_s: float) -> None:
+async def _housekeep(service: GatewayService, health_servicer: health.aio.HealthServicer, interval_s: float) -> None:
     while True:
         await asyncio.sleep(interval_s)
         try:
-            await _refresh(core, health_servicer)
+            await _refresh(service, health_servicer)
         except Exception:  # noqa: BLE001 - housekeeping must outlive one bad round
             log.exception("gateway housekeeping failed")
 

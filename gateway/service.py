@@ -1,115 +1,282 @@
-"""The public Gateway gRPC servicer: authenticate, check the request, call one GatewayCore method.
+"""What the gateway does, in domain terms: session handles over verifier sessions, and generation.
 
-Every RPC goes through `_unary` or `_stream`, which hand it the caller's identity and remaining
-deadline and turn exceptions into status codes (gateway/errors.py) in one place.
+The servicer (gateway/servicer.py) authenticates and validates at the edge and calls one method
+here; exceptions become status codes in gateway/errors.py. Every verifier call has a deadline: the
+caller's remaining one, capped by the gateway's own (a Generate stream has the caller's only).
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
+import concurrent.futures
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, NoReturn
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+from importlib import metadata
 
 import grpc
 
-from gateway.auth import ApiKeys
-from gateway.core import Caller, GatewayCore
-from gateway.errors import status_of
-from proto import gateway_pb2, gateway_pb2_grpc
+from gateway import validation
+from gateway.config import GatewayConfig
+from gateway.errors import NoVerifier, QuotaExceeded, SessionBusy
+from gateway.generation import Relay
+from gateway.metrics import GatewayMetrics
+from gateway.sessions import SessionEntry, SessionNotFound, SessionRegistry, TooManySessions
+from gateway.text import OutputText
+from gateway.verifiers import VerifierPool
+from modeling.tokenizer import Tokenizer
+from proto import common_pb2, gateway_pb2, verifier_pb2
 
 log = logging.getLogger(__name__)
 
 
-def peer_host(peer: str) -> str:
-    """The client's address without its port: `ipv4:10.0.0.7:53412` -> `ipv4:10.0.0.7`."""
-    kind, _, rest = peer.partition(":")
-    return f"{kind}:{rest.rpartition(':')[0]}" if kind in ("ipv4", "ipv6") else peer
+@dataclass(frozen=True)
+class Caller:
+    owner: str | None  # the API key's digest; None when keys are off
+    account: str | None  # what its quotas count against; None = the account all callers share
+    timeout: float | None  # seconds left of the caller's deadline
 
 
-def _unary(method: Callable[[Any, Any, Caller], Awaitable[Any]]):
-    @functools.wraps(method)
-    async def handler(self: GatewayServicer, request: Any, context: grpc.aio.ServicerContext) -> Any:
+def _version() -> str:
+    try:
+        return metadata.version("ddtree-serve")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+class GatewayService:
+    def __init__(self, config: GatewayConfig, pool: VerifierPool, tokenizer: Tokenizer, metrics: GatewayMetrics,
+                 clock: Callable[[], float] = time.monotonic):
+        self.config = config
+        self.pool = pool
+        self.tokenizer = tokenizer
+        self.metrics = metrics
+        self.registry = SessionRegistry(config.session_idle_ttl_s, config.max_sessions_per_key, clock=clock)
+        self._clock = clock
+        self._tokenizing = concurrent.futures.ThreadPoolExecutor(config.tokenizer_threads, "tokenize")
+        self._token_bytes = tokenizer.max_token_bytes()
+        metrics.count_sessions(lambda: len(self.registry))
+
+    # -- the edge's checks, against the model the verifiers serve
+
+    async def prompt(self, text: str, token_ids: Sequence[int], required: bool) -> list[int]:
+        """The prompt's ids: oversized text is refused by its length alone, the rest tokenized off the loop."""
+        model = self._known_model()
+        max_context = model.max_context if model else None
+        validation.check_prompt_text(text, token_ids, self._prompt_byte_limit(max_context))
+        if text:
+            loop = asyncio.get_running_loop()
+            token_ids = await loop.run_in_executor(self._tokenizing, self.tokenizer.encode, text)
+        return validation.prompt_ids(token_ids, required=required, vocab_size=model.vocab_size if model else None,
+                                   max_context=max_context)
+
+    def _prompt_byte_limit(self, max_context: int | None) -> int | None:
+        if self.config.max_prompt_bytes:
+            return self.config.max_prompt_bytes
+        # NOTE: a token spells at most `_token_bytes` bytes; x2 for normalizers that shrink text (NFC).
+        return None if max_context is None else 2 * max_context * self._token_bytes
+
+    def params(self, params: common_pb2.SamplingParams) -> common_pb2.SamplingParams:
+        model = self._known_model()
+        return validation.checked_params(params, self.config, model.vocab_size if model else None)
+
+    # -- sessions
+
+    async def create_session(self, caller: Caller, prompt: list[int]) -> gateway_pb2.CreateSessionReply:
+        """Prefill `prompt` on the verifier with the most free pages; hand back a new handle."""
+        address = self.pool.pick()
+        self._check_room(caller.account, len(prompt))
+        reply = await self.pool.stub(address).CreateSession(
+            verifier_pb2.VerifierCreateSessionRequest(prompt_token_ids=prompt),
+            timeout=_capped(caller.timeout, self.config.prefill_timeout_s))
+        entry = await self._register(caller, address, reply.session)
+        return gateway_pb2.CreateSessionReply(session=self._info(entry, reply.session), prefill_ms=reply.prefill_ms)
+
+    async def fork_session(self, caller: Caller, handle: str) -> gateway_pb2.SessionInfo:
+        parent = self.registry.get(handle, caller.owner)
+        self._check_room(caller.account, parent.tokens)
+        forked = await self.pool.stub(parent.verifier).ForkSession(
+            verifier_pb2.VerifierForkSessionRequest(session_id=parent.verifier_session_id),
+            timeout=self._call_timeout(caller))
+        entry = await self._register(caller, parent.verifier, forked)
+        return self._info(entry, forked)
+
+    async def release_session(self, caller: Caller, handle: str) -> None:
+        if self.registry.peek(handle, caller.owner).in_use:
+            raise SessionBusy("session: a generation runs on it; cancel it first")
+        entry = self.registry.remove(handle, caller.owner)
+        await self._release_quietly(entry.verifier, entry.verifier_session_id)
+
+    async def get_session(self, caller: Caller, handle: str) -> gateway_pb2.SessionInfo:
+        entry = self.registry.peek(handle, caller.owner)
+        held = await self.pool.stub(entry.verifier).GetSession(
+            verifier_pb2.VerifierGetSessionRequest(session_id=entry.verifier_session_id),
+            timeout=self._call_timeout(caller))
+        return self._info(entry, held)
+
+    async def list_sessions(self, caller: Caller) -> gateway_pb2.ListSessionsReply:
+        """The owner's sessions; one whose verifier does not answer is listed with the gateway's figures only."""
+        entries = self.registry.owned_by(caller.owner)
+        held = await asyncio.gather(*(self.pool.stub(e.verifier).GetSession(
+            verifier_pb2.VerifierGetSessionRequest(session_id=e.verifier_session_id),
+            timeout=self._call_timeout(caller)) for e in entries), return_exceptions=True)
+        return gateway_pb2.ListSessionsReply(sessions=[
+            self._info(e, None if isinstance(h, BaseException) else h) for e, h in zip(entries, held)])
+
+    # -- generation
+
+    async def generate(self, caller: Caller, prompt: list[int], params: common_pb2.SamplingParams, handle: str,
+                       keep_session: bool) -> AsyncIterator[gateway_pb2.GenerateReply]:
+        """Chunks, then the summary. Without `handle` the prompt goes to a fresh session (held under a
+        handle while it runs, so it counts against the key's limits); with one, it is appended. A failure
+        after the first chunk ends the stream with its status: the chunks sent before it stand (exact)."""
+        started = self._clock()
+        if handle:
+            append, keep = prompt, True
+        else:
+            handle = (await self.create_session(caller, prompt)).session.session
+            append, keep = [], keep_session
+        relay = Relay(OutputText(self.tokenizer, params.stop_strings), self.metrics, self._clock, started)
         try:
-            return await method(self, request, self._caller(context))
-        except Exception as exc:  # noqa: BLE001 - mapped to a status in one place
-            await self._abort(context, exc)
-    return handler
+            with self.registry.using(handle, caller.owner) as entry:
+                self._reserve(entry, len(append) + params.max_new_tokens)
+                request = verifier_pb2.VerifierGenerateRequest(session_id=entry.verifier_session_id,
+                                                               append_token_ids=append, params=params,
+                                                               keep_session=keep)
+                left = None if caller.timeout is None else max(0.0, caller.timeout - (self._clock() - started))
+                call = self.pool.stub(entry.verifier).Generate(request, timeout=left)
+                try:
+                    async for step in call:
+                        yield relay.chunk(step)
+                finally:
+                    call.cancel()  # a no-op once the stream ended; stops the verifier when we were cancelled
+                    entry.reserved = 0
+                    entry.tokens = relay.session_tokens or entry.tokens
+                if relay.stop_reason is None:
+                    raise NoVerifier("the verifier ended the generation without a stop reason; retry")
+        finally:
+            if not keep:
+                await self._forget(handle, caller.owner, release=relay.stop_reason is None)
+        yield relay.summary(handle if keep else "", prompt_tokens=len(prompt))
 
+    # -- model and service
 
-def _stream(method: Callable[[Any, Any, Caller], AsyncIterator[Any]]):
-    @functools.wraps(method)
-    async def handler(self: GatewayServicer, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+    def model_info(self) -> gateway_pb2.ModelInfo:
+        model = self.pool.model()
+        return gateway_pb2.ModelInfo(name=model.model_name, max_context=model.max_context,
+                                     vocab_size=model.vocab_size, eos_token_ids=model.eos_token_ids)
+
+    def info(self, auth_required: bool) -> gateway_pb2.InfoReply:
+        reply = gateway_pb2.InfoReply(
+            version=_version(), verifiers=len(self.pool.addresses), verifiers_up=len(self.pool.up),
+            auth_required=auth_required, session_idle_ttl_s=self.config.session_idle_ttl_s,
+            max_sessions_per_key=self.config.max_sessions_per_key,
+            max_new_tokens_limit=self.config.max_new_tokens_limit,
+            default_max_new_tokens=self.config.default_max_new_tokens)
+        if self.pool.up:
+            reply.model.CopyFrom(self.model_info())
+        return reply
+
+    async def refresh(self) -> None:
+        """Housekeeping: poll the verifiers, renew the leases of the sessions held here, release the
+        sessions idle past the TTL."""
+        await self.pool.poll(self.config.verifier_info_timeout_s)
+        self.metrics.observe_verifiers(self.pool.infos)
+        await asyncio.gather(*(self._renew_leases(address) for address in self.pool.up))
+        for entry in self.registry.expire_idle():
+            await self._release_quietly(entry.verifier, entry.verifier_session_id)
+
+    async def _renew_leases(self, address: str) -> None:
+        held = [e.verifier_session_id for e in self.registry.on_verifier(address)]
+        if not held:
+            return
         try:
-            async for reply in method(self, request, self._caller(context)):
-                yield reply
-        except asyncio.CancelledError:
-            self.core.metrics.errors.labels(grpc.StatusCode.CANCELLED.name).inc()
+            reply = await self.pool.stub(address).RenewLeases(
+                verifier_pb2.VerifierRenewLeasesRequest(session_ids=held), timeout=self.config.verifier_info_timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            log.warning("could not renew %d session leases at %s: %s", len(held), address, exc.code().name)
+            return
+        for entry in self.registry.drop_unknown(address, list(reply.unknown_session_ids)):
+            log.info("handle of session %s dropped: verifier %s no longer holds it", entry.verifier_session_id,
+                     address)
+
+    # -- helpers
+
+    def _known_model(self) -> verifier_pb2.VerifierInfoReply | None:
+        return self.pool.model() if self.pool.up else None
+
+    def _call_timeout(self, caller: Caller) -> float:
+        return _capped(caller.timeout, self.config.verifier_call_timeout_s)
+
+    def _check_room(self, account: str | None, tokens: int) -> None:
+        """Fail before the costly verifier call rather than after it."""
+        self.registry.check_room(account)
+        self._check_kv(account, tokens)
+
+    def _check_kv(self, account: str | None, adding: int) -> None:
+        quota = self._kv_quota(account)
+        held = self.registry.kv_tokens(account)
+        if quota is not None and held + adding > quota:
+            raise QuotaExceeded(f"kv quota: the caller holds {held} of its {quota} KV tokens and asks for {adding} "
+                                "more (prompt, appended text and max_new_tokens); release a session first")
+
+    def _kv_quota(self, account: str | None) -> int | None:
+        """The account's KV share; None when there is nothing to divide (one shared account, or no verifier
+        has said its capacity yet)."""
+        capacity = self.pool.kv_capacity_tokens()
+        if account is None or not capacity:
+            return None
+        return int(self.config.kv_share_per_key * capacity)
+
+    def _reserve(self, entry: SessionEntry, tokens: int) -> None:
+        """Count what a generation may add against the quota for as long as it runs."""
+        self._check_kv(entry.account, tokens)
+        entry.reserved = tokens
+
+    async def _register(self, caller: Caller, address: str,
+                        held: verifier_pb2.VerifierSessionInfo) -> SessionEntry:
+        try:
+            return self.registry.create(caller.owner, address, held.session_id, account=caller.account,
+                                        tokens=held.num_tokens)
+        except TooManySessions:  # another call took the last place meanwhile
+            await self._release_quietly(address, held.session_id)
             raise
-        except Exception as exc:  # noqa: BLE001 - mapped to a status in one place
-            await self._abort(context, exc)
-    return handler
+
+    async def _forget(self, handle: str, owner: str | None, release: bool) -> None:
+        """Drop a one-shot generation's handle; `release` when the verifier may still hold the session (the
+        call failed or was cancelled, maybe before the verifier's Generate began and could release it)."""
+        try:
+            entry = self.registry.remove(handle, owner)
+        except SessionNotFound:
+            return
+        if release:
+            await self._release_quietly(entry.verifier, entry.verifier_session_id)
+
+    async def _release_quietly(self, address: str, session_id: str) -> None:
+        """Release at the verifier; the handle is gone either way, so a failure is only logged (the session's
+        lease then frees it)."""
+        try:
+            await self.pool.stub(address).ReleaseSession(
+                verifier_pb2.VerifierReleaseSessionRequest(session_id=session_id),
+                timeout=self.config.verifier_call_timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() not in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION):
+                log.warning("could not release session %s at %s: %s", session_id, address, exc.details())
+
+    def _info(self, entry: SessionEntry, held: verifier_pb2.VerifierSessionInfo | None) -> gateway_pb2.SessionInfo:
+        idle = self.registry.idle_for(entry)
+        info = gateway_pb2.SessionInfo(session=entry.handle, generating=entry.in_use > 0, idle_s=idle,
+                                       expires_in_s=max(0.0, self.config.session_idle_ttl_s - idle))
+        if held is not None:
+            entry.tokens = held.num_tokens
+            info.num_tokens, info.pages_used, info.pages_shared = held.num_tokens, held.pages_used, held.pages_shared
+            info.generating |= held.generating
+        return info
+
+    def close(self) -> None:
+        self._tokenizing.shutdown(wait=False, cancel_futures=True)
 
 
-class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
-    def __init__(self, core: GatewayCore, keys: ApiKeys):
-        self.core = core
-        self.keys = keys
-
-    @_stream
-    async def Generate(self, request: gateway_pb2.GenerateRequest,
-                       caller: Caller) -> AsyncIterator[gateway_pb2.GenerateReply]:
-        prompt = await self.core.prompt(request.text, request.token_ids, required=not request.session)
-        params = self.core.params(request.params)
-        async for reply in self.core.generate(caller, prompt, params, request.session, request.keep_session):
-            yield reply
-
-    @_unary
-    async def CreateSession(self, request: gateway_pb2.CreateSessionRequest,
-                            caller: Caller) -> gateway_pb2.CreateSessionReply:
-        prompt = await self.core.prompt(request.text, request.token_ids, required=True)
-        return await self.core.create_session(caller, prompt)
-
-    @_unary
-    async def ForkSession(self, request: gateway_pb2.ForkSessionRequest, caller: Caller) -> gateway_pb2.SessionInfo:
-        return await self.core.fork_session(caller, request.session)
-
-    @_unary
-    async def ReleaseSession(self, request: gateway_pb2.ReleaseSessionRequest,
-                             caller: Caller) -> gateway_pb2.ReleaseSessionReply:
-        await self.core.release_session(caller, request.session)
-        return gateway_pb2.ReleaseSessionReply()
-
-    @_unary
-    async def GetSession(self, request: gateway_pb2.GetSessionRequest, caller: Caller) -> gateway_pb2.SessionInfo:
-        return await self.core.get_session(caller, request.session)
-
-    @_unary
-    async def ListSessions(self, request: gateway_pb2.ListSessionsRequest,
-                           caller: Caller) -> gateway_pb2.ListSessionsReply:
-        return await self.core.list_sessions(caller)
-
-    @_unary
-    async def ListModels(self, request: gateway_pb2.ListModelsRequest, caller: Caller) -> gateway_pb2.ListModelsReply:
-        return gateway_pb2.ListModelsReply(models=[self.core.model_info()])
-
-    @_unary
-    async def Info(self, request: gateway_pb2.InfoRequest, caller: Caller) -> gateway_pb2.InfoReply:
-        return self.core.info(auth_required=self.keys.enabled)
-
-    def _caller(self, context: grpc.aio.ServicerContext) -> Caller:
-        owner = self.keys.authenticate(context.invocation_metadata() or ())
-        account = peer_host(context.peer()) if self.core.config.quota_by == "peer" else owner
-        return Caller(owner, account, context.time_remaining())
-
-    async def _abort(self, context: grpc.aio.ServicerContext, exc: Exception) -> NoReturn:
-        if isinstance(exc, grpc.aio.AbortError):
-            raise exc
-        status = status_of(exc)
-        if status is None:
-            log.exception("unexpected failure in a gateway call")
-            status = grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}"
-        code, details = status
-        self.core.metrics.errors.labels(code.name).inc()
-        await context.abort(code, details)
+def _capped(timeout: float | None, cap: float) -> float:
+    return cap if timeout is None else min(timeout, cap)

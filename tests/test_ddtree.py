@@ -7,7 +7,7 @@ import itertools
 import pytest
 import torch
 
-from drafter_service.ddtree import build_ddtree, top_k_log_probs, top_k_per_depth, trees_from_top_k
+from drafter_service.tree_builder import build_ddtree, top_k_log_probs, top_k_per_depth, trees_from_top_k
 from modeling.tree import DraftTree
 
 

@@ -14,11 +14,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import modeling.dflash as dflash
-from drafter_service.ddtree import build_ddtree
-from drafter_service.dflash_drafter import DFlashDrafter, SessionNotFound, StaleStep, TooManySessions
-from drafter_service.dflash_tree_drafter import DFlashTreeDrafter
+from drafter_service.dflash_drafter import DFlashDrafter
+from drafter_service.dflash_mirrors import DFlashMirrors, SessionNotFound, StaleStep, TooManySessions
 from drafter_service.draft_graphs import DraftGraphs
 from drafter_service.drafter import StepRequest
+from drafter_service.tree_builder import build_ddtree
 from modeling.dflash import DFlashConfig, DFlashModel, default_target_layer_ids, load_dflash
 from modeling.tiny import make_tiny_drafter
 from modeling.tree import DraftTree
@@ -90,7 +90,7 @@ def recompute(model: DFlashModel, features: torch.Tensor, root: int, window: int
 def test_cached_steps_match_recomputing_from_scratch(variant: str, tmp_path, tiny_target) -> None:
     overrides, window = VARIANTS[variant]
     model = load(tmp_path, tiny_target, overrides)
-    drafter = DFlashDrafter(model, context_window=window)
+    drafter = DFlashMirrors(model, context_window=window)
     generator = torch.Generator().manual_seed(1)
     features = torch.randn(13, model.config.feature_dim, generator=generator)
     drafter.open("s", features, start_position=0)
@@ -111,11 +111,11 @@ def test_reseeding_from_the_last_w_tokens_drafts_the_same(tmp_path, tiny_target)
     model = load(tmp_path, tiny_target, {"layer_types": ["sliding_attention"] * 2, "sliding_window": 7})
     generator = torch.Generator().manual_seed(2)
     features = torch.randn(40, model.config.feature_dim, generator=generator)
-    seen_all = DFlashDrafter(model, context_window=window)
+    seen_all = DFlashMirrors(model, context_window=window)
     seen_all.open("s", features[:5], start_position=0)
     for start, stop in [(5, 9), (9, 22), (22, 31)]:
         seen_all.step("s", features[start:stop], 7)
-    reseeded = DFlashDrafter(model, context_window=window)
+    reseeded = DFlashMirrors(model, context_window=window)
     reseeded.open("s", features[31 - window:31], start_position=31 - window)
     for start, stop, root in [(31, 31, 3), (31, 34, 99), (34, 40, 250)]:
         expected = seen_all.step("s", features[start:stop], root)
@@ -126,7 +126,7 @@ def test_reseeding_from_the_last_w_tokens_drafts_the_same(tmp_path, tiny_target)
 def test_batched_draft_equals_per_session_drafts(variant: str, tmp_path, tiny_target) -> None:
     overrides, window = VARIANTS[variant]
     model = load(tmp_path, tiny_target, overrides)
-    single, batched = DFlashDrafter(model, window), DFlashDrafter(model, window)
+    single, batched = DFlashMirrors(model, window), DFlashMirrors(model, window)
     generator = torch.Generator().manual_seed(3)
     sessions = {"a": 3, "b": 17, "c": 30}  # different context lengths
     for name, length in sessions.items():
@@ -204,7 +204,7 @@ def test_the_tiny_drafter_matches_the_tiny_target(tmp_path, tiny_target) -> None
 
 def test_stale_steps_and_unknown_sessions_change_nothing(tmp_path, tiny_target) -> None:
     model = load(tmp_path, tiny_target, {})
-    drafter = DFlashDrafter(model)
+    drafter = DFlashMirrors(model)
     features = torch.randn(6, model.config.feature_dim)
     drafter.open("s", features[:4], start_position=0)
     expected = drafter.step("s", features[4:], 9, step_number=3)
@@ -217,7 +217,7 @@ def test_stale_steps_and_unknown_sessions_change_nothing(tmp_path, tiny_target) 
     with pytest.raises(SessionNotFound):
         drafter.step("s", features[:0], 9)
     with pytest.raises(ValueError, match="block size"):
-        DFlashDrafter(model, context_window=4)
+        DFlashMirrors(model, context_window=4)
 
 
 def assert_same_tree(got: DraftTree, expected: DraftTree) -> None:
@@ -231,7 +231,7 @@ def test_slot_trees_match_the_reference_as_sessions_come_and_go(variant: str, tm
     buffers grow (and move) as sessions do."""
     overrides, window = VARIANTS[variant]
     model = load(tmp_path, tiny_target, overrides)
-    drafter = DFlashTreeDrafter(model, window, max_budget=24, max_sessions=3)
+    drafter = DFlashDrafter(model, window, max_budget=24, max_sessions=3)
     generator = torch.Generator().manual_seed(4)
     feature_dim, history, step = model.config.feature_dim, {}, itertools.count()
 
@@ -267,7 +267,7 @@ def test_slot_trees_match_the_reference_as_sessions_come_and_go(variant: str, tm
 def test_open_past_max_sessions_raises_and_a_closed_slot_is_reused(tmp_path, tiny_target) -> None:
     window = 12
     model = load(tmp_path, tiny_target, {})
-    drafter = DFlashDrafter(model, context_window=window, max_sessions=2)
+    drafter = DFlashMirrors(model, context_window=window, max_sessions=2)
     features = torch.randn(30, model.config.feature_dim, generator=torch.Generator().manual_seed(6))
     drafter.open("a", features[:20], start_position=0)
     drafter.open("b", features[:5], start_position=0)
@@ -281,7 +281,7 @@ def test_open_past_max_sessions_raises_and_a_closed_slot_is_reused(tmp_path, tin
     expected = recompute(model, features[:6], 17, window)
     torch.testing.assert_close(drafter.step("c", features[4:6], 17), expected, atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="max_sessions"):
-        DFlashDrafter(model, context_window=window, max_sessions=0)
+        DFlashMirrors(model, context_window=window, max_sessions=0)
 
 
 def assert_same_top_k(got: tuple[torch.Tensor, torch.Tensor], expected: tuple[torch.Tensor, torch.Tensor],
@@ -306,7 +306,7 @@ def test_graph_replays_match_the_eager_draft(dtype: str, tmp_path, tiny_target) 
     overrides, window = VARIANTS["sliding-W"]
     model = load(tmp_path, tiny_target, overrides, dtype, "cuda")
     vocab = model.lm_head.weight.shape[0]
-    mirrors = DFlashDrafter(model, window, max_sessions=8)
+    mirrors = DFlashMirrors(model, window, max_sessions=8)
     graphed, eager = DraftGraphs(mirrors, 16), DraftGraphs(mirrors, 16, cuda_graphs=False)
     ranking = DraftGraphs(mirrors, vocab, cuda_graphs=False)
     assert graphed.graphed and not eager.graphed
@@ -339,12 +339,12 @@ def test_graph_replays_match_the_eager_draft(dtype: str, tmp_path, tiny_target) 
 def test_the_tree_drafter_on_the_gpu_drafts_the_same_trees_from_graphs(tmp_path, tiny_target) -> None:
     overrides, window = VARIANTS["full-W"]
     model = load(tmp_path, tiny_target, overrides, "float32", "cuda")
-    graphed = DFlashTreeDrafter(model, window, max_budget=20, max_sessions=4)
-    eager = DFlashTreeDrafter(model, window, max_budget=20, max_sessions=4, cuda_graphs=False)
-    on_cpu = DFlashTreeDrafter(copy.deepcopy(model).cpu(), window, max_budget=20, max_sessions=4)
+    graphed = DFlashDrafter(model, window, max_budget=20, max_sessions=4)
+    eager = DFlashDrafter(model, window, max_budget=20, max_sessions=4, cuda_graphs=False)
+    on_cpu = DFlashDrafter(copy.deepcopy(model).cpu(), window, max_budget=20, max_sessions=4)
     graphed.warmup()
     assert sorted(graphed.graphs.captured) == [1, 2, 4] and not eager.graphs.captured
-    assert not DFlashTreeDrafter(model, None).graphs.graphed  # no window: no fixed shapes to capture
+    assert not DFlashDrafter(model, None).graphs.graphed  # no window: no fixed shapes to capture
     generator = torch.Generator().manual_seed(7)
     features = torch.randn(60, model.config.feature_dim, generator=generator).cuda()
     for drafter in (graphed, eager, on_cpu):

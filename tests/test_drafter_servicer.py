@@ -12,7 +12,7 @@ import asyncio
 import grpc
 
 from drafter_service.drafter import StepRequest
-from drafter_service.ngram_tree_drafter import NgramTreeDrafter
+from drafter_service.ngram_drafter import NgramDrafter
 from drafter_service.servicer import DrafterServicer
 from proto import common_pb2, drafter_pb2, drafter_pb2_grpc
 from verifier_service.drafter_pool import DrafterPool
@@ -22,7 +22,7 @@ PROMPT = [5, 6, 7, 8, 5, 6, 7, 9, 5, 6]
 SCHEDULER = "draft-scheduler"
 
 
-class RecordingDrafter(NgramTreeDrafter):
+class RecordingDrafter(NgramDrafter):
     """The n-gram drafter, noting which task drafted which sessions together; `failing` sessions raise."""
 
     def __init__(self, failing: tuple[str, ...] = ()):
@@ -83,7 +83,7 @@ async def settle() -> None:
 
 def reference_tree(history: list[int]) -> tuple[int, ...]:
     """The n-gram tree under history[-1], drafted in process."""
-    drafter = NgramTreeDrafter()
+    drafter = NgramDrafter()
     drafter.open("s", history[:-1], None, 0)
     return drafter.draft([StepRequest("s", 0, [], None, history[-1], len(history) - 1, 8)])[0].tokens
 

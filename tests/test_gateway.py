@@ -280,14 +280,14 @@ def test_sessions_create_continue_fork_release_list(env) -> None:
 def test_new_sessions_go_to_the_verifier_with_most_free_pages(env) -> None:
     fake_a, fake_b = env.fakes
     fake_a.reserved_pages = 500
-    env.stack.run(env.plain.core.refresh())
+    env.stack.run(env.plain.service.refresh())
     with client(env.plain) as c:
         handles = [c.create_session("x").session.session for _ in range(3)]
         assert len(fake_b.sessions) == 3 and not fake_a.sessions
         for h in handles:
             c.release_session(h)
     fake_a.reserved_pages = 0
-    env.stack.run(env.plain.core.refresh())
+    env.stack.run(env.plain.service.refresh())
     with client(env.plain) as c:  # equal free pages: in turn
         handles = [c.create_session("x").session.session for _ in range(2)]
         assert len(fake_a.sessions) == len(fake_b.sessions) == 1
@@ -452,7 +452,7 @@ def test_metrics_endpoint(env) -> None:
     with client(env.plain) as c:
         c.generate("Hi", max_new_tokens=5).result()
         expect_error(Code.INVALID_ARGUMENT, lambda: c.generate(""))
-    env.stack.run(env.plain.core.refresh())
+    env.stack.run(env.plain.service.refresh())
     body = urllib.request.urlopen(f"http://127.0.0.1:{env.metrics_port}/metrics", timeout=5).read().decode()
     for name in ("ddtree_gateway_ttft_seconds_bucket", "ddtree_gateway_inter_token_latency_seconds_bucket",
                  "ddtree_gateway_e2e_latency_seconds_count", "ddtree_gateway_acceptance_length_bucket",
@@ -493,7 +493,7 @@ def test_cli_generate_and_sessions(env, capsys: pytest.CaptureFixture[str]) -> N
 
 
 def test_gateway_and_client_import_no_torch() -> None:
-    code = ("import sys, gateway.server, gateway.service, ddtree.client, ddtree.client_cli; "
+    code = ("import sys, gateway.server, gateway.servicer, ddtree.client, ddtree.client_cli; "
             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[1])
 
@@ -502,12 +502,12 @@ def test_leases_are_renewed_and_handles_the_verifier_lost_are_dropped(env) -> No
     fake_b = env.fakes[1]
     with client(env.by_peer) as c:
         kept, lost = (c.create_session("abc").session.session for _ in range(2))
-        env.stack.run(env.by_peer.core.refresh())
+        env.stack.run(env.by_peer.service.refresh())
         held = set(fake_b.sessions)
         assert held <= set(fake_b.renewed)
-        lost_id = env.by_peer.core.registry.peek(lost, None).verifier_session_id
+        lost_id = env.by_peer.service.registry.peek(lost, None).verifier_session_id
         del fake_b.sessions[lost_id]  # as after a verifier restart, or a lease that ran out there
-        env.stack.run(env.by_peer.core.refresh())
+        env.stack.run(env.by_peer.service.refresh())
         expect_error(Code.NOT_FOUND, lambda: c.get_session(lost), "session")
         assert c.get_session(kept).num_tokens == 3
         c.release_session(kept)
@@ -570,7 +570,7 @@ def test_new_sessions_avoid_a_verifier_that_is_not_serving(env) -> None:
     fake_a, fake_b = env.fakes
     not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
     env.stack.run(fake_a.health.set("", not_serving))
-    env.stack.run(env.plain.core.refresh())
+    env.stack.run(env.plain.service.refresh())
     try:
         with client(env.plain) as c:
             handles = [c.create_session("x").session.session for _ in range(3)]
@@ -578,11 +578,11 @@ def test_new_sessions_avoid_a_verifier_that_is_not_serving(env) -> None:
             for handle in handles:
                 c.release_session(handle)
             env.stack.run(fake_b.health.set("", not_serving))
-            env.stack.run(env.plain.core.refresh())
+            env.stack.run(env.plain.service.refresh())
             started = time.monotonic()
             expect_error(Code.UNAVAILABLE, lambda: c.create_session("x"), "retry")
             assert time.monotonic() - started < 1.0
     finally:
         for fake in env.fakes:
             env.stack.run(fake.health.set("", health_pb2.HealthCheckResponse.SERVING))
-        env.stack.run(env.plain.core.refresh())
+        env.stack.run(env.plain.service.refresh())

@@ -13,7 +13,6 @@ import torch
 
 from ddtree_kernels.commit_kv import commit_kv
 from ddtree_kernels.lse_merge import MAX_BLOCK_S, merge_partials
-from ddtree_kernels.paged_decode import paged_decode_attention
 from ddtree_kernels.reference import (
     commit_kv_reference,
     gather_prefix,
@@ -148,32 +147,6 @@ def test_verify_attention_stale_nan_slots_interpreter(tma):
     check_verify(case, lens, trees, small_config(block_n=32, tma=tma), max_prefix_len=1000)
 
 
-def check_decode(lens: list[int], hq: int, hkv: int, d: int, page_size: int, dtype: torch.dtype,
-                 cfg: SplitConfig | None = None, max_seq_len: int | None = None) -> None:
-    gen = torch.Generator().manual_seed(sum(lens))
-    k_pages, v_pages, tables = paged_kv(lens, page_size, hkv, d, dtype, gen)
-    q = torch.randn(len(lens), hq, d, generator=gen).to(dtype)
-    k_pages, v_pages, tables, q = (t.to(DEVICE) for t in (k_pages, v_pages, tables, q))
-    seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
-    bound = max(lens) if max_seq_len is None else max_seq_len
-    out = paged_decode_attention(q, k_pages, v_pages, tables, seq_lens, d**-0.5, bound, cfg=cfg)
-    for b, n in enumerate(lens):
-        keys = gather_prefix(k_pages, tables[b], n).float().repeat_interleave(hq // hkv, dim=1)  # [n, Hq, D]
-        values = gather_prefix(v_pages, tables[b], n).float().repeat_interleave(hq // hkv, dim=1)
-        probs = (torch.einsum("hd,shd->hs", q[b].float(), keys) * d**-0.5).softmax(-1)
-        atol, rtol = TOL[dtype]
-        torch.testing.assert_close(out[b].float(), torch.einsum("hs,shd->hd", probs, values), atol=atol, rtol=rtol)
-
-
-@cpu_only
-@pytest.mark.parametrize("lens,heads,page_size,dtype", [
-    ([1, 70, 129], (8, 1), 16, torch.float16),
-    ([300, 5], (4, 4), 64, torch.float32),
-])
-def test_paged_decode_interpreter(lens, heads, page_size, dtype):
-    check_decode(lens, *heads, 32, page_size, dtype, small_config(block_n=16))
-
-
 # The engine captures one launch per (batch, tokens) bucket at max_prefix_len = max_context: the bound
 # only sizes the grid, each sequence cuts its own prefix into chunks on the device.
 @cpu_only
@@ -185,11 +158,6 @@ def test_paged_decode_interpreter(lens, heads, page_size, dtype):
 def test_verify_attention_bound_above_lengths_interpreter(lens, trees, heads, page_size, dtype, bound):
     case = verify_case(lens, trees, *heads, 32, page_size, dtype, seed=sum(lens))
     check_verify(case, lens, trees, small_config(block_n=16), max_prefix_len=bound)
-
-
-@cpu_only
-def test_paged_decode_bound_above_lengths_interpreter():
-    check_decode([1, 70, 129, 3], 8, 2, 32, 16, torch.float16, small_config(block_n=16), max_seq_len=65536)
 
 
 @cpu_only
@@ -305,10 +273,6 @@ def test_wrappers_reject_bad_inputs():
         hybrid_verify_attention(**case, max_prefix_len=20, max_tree_len=40)
     with pytest.raises(ValueError, match="dtype"):
         hybrid_verify_attention(**{**case, "q": case["q"].float()}, max_prefix_len=20, max_tree_len=3)
-    q = case["q"][:1]
-    with pytest.raises(ValueError, match="max_seq_len"):
-        paged_decode_attention(q, case["k_pages"], case["v_pages"], case["block_tables"], case["prefix_lens"],
-                               case["sm_scale"], 0)
 
 
 GPU_VERIFY = [
@@ -344,17 +308,6 @@ def test_verify_attention_paths_stale_nan_slots_gpu(tma, trees):
 
 @pytest.mark.gpu
 @needs_gpu
-@pytest.mark.parametrize("lens,heads,d,page_size", [
-    ([1, 4000, 70001, 129], (32, 8), 128, 64),
-    ([3000, 17], (16, 1), 256, 16),
-    ([513], (8, 8), 64, 256),
-])
-def test_paged_decode_gpu(lens, heads, d, page_size):
-    check_decode(lens, *heads, d, page_size, torch.bfloat16)
-
-
-@pytest.mark.gpu
-@needs_gpu
 def test_commit_kv_gpu():
     check_commit(torch.bfloat16, layers=36)
 
@@ -385,8 +338,3 @@ def test_verify_attention_cuda_graph_any_prefix_len(trees):
     steps = [[16000, 0], [5, 70001], [131072, 64], [0, 0], [1000, 999]]
     check_one_plan_many_lengths(steps, trees, 131072, torch.bfloat16, (32, 8), 128, 64, None, graph=True)
 
-
-@pytest.mark.gpu
-@needs_gpu
-def test_paged_decode_bound_above_lengths_gpu():
-    check_decode([1, 4000, 129, 63], 32, 8, 128, 64, torch.bfloat16, max_seq_len=131072)

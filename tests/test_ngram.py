@@ -6,12 +6,12 @@ import random
 
 import pytest
 
-from drafter_service.ngram import NgramDrafter
+from drafter_service.ngram_index import NgramIndex
 from modeling.tree import DraftTree
 
 
-def _drafter(tokens: list[int], **kwargs: int) -> NgramDrafter:
-    drafter = NgramDrafter(**kwargs)
+def _drafter(tokens: list[int], **kwargs: int) -> NgramIndex:
+    drafter = NgramIndex(**kwargs)
     drafter.open("s", tokens)
     return drafter
 
@@ -67,7 +67,7 @@ def test_incremental_extend_equals_a_fresh_open() -> None:
     rng = random.Random(1)
     history = [rng.randrange(6) for _ in range(300)]
     incremental = _drafter(history[:10], min_n=1, max_n=5, max_matches=8)
-    fresh = NgramDrafter(min_n=1, max_n=5, max_matches=8)
+    fresh = NgramIndex(min_n=1, max_n=5, max_matches=8)
     end = 10
     while end < len(history):
         step = rng.randrange(1, 6)

@@ -32,7 +32,7 @@ class _Session:
     index: list[dict[tuple[int, ...], list[int]]] = field(default_factory=list)
 
 
-class NgramDrafter:
+class NgramIndex:
     """Per-session prompt-lookup drafting from an incrementally updated n-gram index.
 
     min_n, max_n: n-gram sizes tried, longest first; the longest one that occurred before wins.

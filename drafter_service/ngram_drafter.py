@@ -1,19 +1,19 @@
-"""The n-gram drafter behind the SessionDrafter interface: tokens in, prompt-lookup trie out (CPU)."""
+"""The n-gram drafter behind the Drafter interface: tokens in, prompt-lookup trie out (CPU)."""
 
 from __future__ import annotations
 
 import torch
 
 from drafter_service.drafter import DrafterInfo, StepRequest, UnknownSession
-from drafter_service.ngram import NgramDrafter
+from drafter_service.ngram_index import NgramIndex
 from modeling.tree import DraftTree
 
 MAX_DEPTH = 16  # deepest draft; the verifier's tree budget bounds the width
 
 
-class NgramTreeDrafter:
+class NgramDrafter:
     def __init__(self, min_n: int = 1, max_n: int = 4, max_budget: int = 255, max_depth: int = MAX_DEPTH):
-        self.ngram = NgramDrafter(min_n, max_n)
+        self.ngram = NgramIndex(min_n, max_n)
         self.max_depth = max_depth
         self.info = DrafterInfo("ngram", max_depth + 1, None, (), 0, max_budget)
 
