@@ -188,7 +188,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                                            str(error)))
             return
         request = StepRequest(message.session_id, message.step, list(message.committed_token_ids), features,
-                              message.bonus_token_id, message.position, message.tree_budget)
+                              message.root_token_id, message.position, message.tree_budget)
         if self._idle():
             ((_, reply),) = self._draft([_Queued(request, stream)])
             await stream.write(reply)

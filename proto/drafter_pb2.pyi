@@ -30,22 +30,22 @@ class DrafterOpen(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., features: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., start_position: _Optional[int] = ...) -> None: ...
 
 class DrafterStep(_message.Message):
-    __slots__ = ("session_id", "step", "committed_token_ids", "features", "bonus_token_id", "position", "tree_budget")
+    __slots__ = ("session_id", "step", "committed_token_ids", "features", "root_token_id", "position", "tree_budget")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
-    BONUS_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    ROOT_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     POSITION_FIELD_NUMBER: _ClassVar[int]
     TREE_BUDGET_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     step: int
     committed_token_ids: _containers.RepeatedScalarFieldContainer[int]
     features: _common_pb2.Tensor
-    bonus_token_id: int
+    root_token_id: int
     position: int
     tree_budget: int
-    def __init__(self, session_id: _Optional[str] = ..., step: _Optional[int] = ..., committed_token_ids: _Optional[_Iterable[int]] = ..., features: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., bonus_token_id: _Optional[int] = ..., position: _Optional[int] = ..., tree_budget: _Optional[int] = ...) -> None: ...
+    def __init__(self, session_id: _Optional[str] = ..., step: _Optional[int] = ..., committed_token_ids: _Optional[_Iterable[int]] = ..., features: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., root_token_id: _Optional[int] = ..., position: _Optional[int] = ..., tree_budget: _Optional[int] = ...) -> None: ...
 
 class DrafterClose(_message.Message):
     __slots__ = ("session_id",)

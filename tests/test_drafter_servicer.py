@@ -63,7 +63,7 @@ class FakeStream:
     def step(self, session_id: str, step: int, committed: list[int], bonus: int, position: int,
              features: common_pb2.Tensor | None = None) -> None:
         self.inbox.put_nowait(drafter_pb2.DrafterRequest(step=drafter_pb2.DrafterStep(
-            session_id=session_id, step=step, committed_token_ids=committed, bonus_token_id=bonus,
+            session_id=session_id, step=step, committed_token_ids=committed, root_token_id=bonus,
             position=position, tree_budget=8, features=features)))
 
     def release(self) -> None:

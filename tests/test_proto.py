@@ -52,7 +52,7 @@ def test_gencode_accepts_oldest_protobuf_runtime(proto: str) -> None:
 
 
 class _EchoDrafter(drafter_pb2_grpc.DrafterServicer):
-    """Answers each step with a one-node tree (bonus + 1) and a feature checksum in its logprob."""
+    """Answers each step with a one-node tree (root + 1) and a feature checksum in its logprob."""
 
     async def Draft(self, requests, context):
         async for request in requests:
@@ -60,7 +60,7 @@ class _EchoDrafter(drafter_pb2_grpc.DrafterServicer):
                 continue
             step = request.step
             checksum = sum(struct.unpack(f"<{len(step.features.data) // 4}f", step.features.data))
-            tree = common_pb2.DraftTree(tokens=[step.bonus_token_id + 1], parents=[-1], depths=[1],
+            tree = common_pb2.DraftTree(tokens=[step.root_token_id + 1], parents=[-1], depths=[1],
                                         logprobs=[checksum])
             yield drafter_pb2.DrafterReply(tree=drafter_pb2.DrafterTree(
                 session_id=step.session_id, step=step.step, tree=tree, replica_id="r0"))
@@ -75,7 +75,7 @@ async def _draft_round_trip() -> list[drafter_pb2.DrafterReply]:
     requests = [
         drafter_pb2.DrafterRequest(open=drafter_pb2.DrafterOpen(session_id="s", token_ids=[5, 6])),
         drafter_pb2.DrafterRequest(step=drafter_pb2.DrafterStep(
-            session_id="s", step=7, committed_token_ids=[6, 9], features=features, bonus_token_id=41,
+            session_id="s", step=7, committed_token_ids=[6, 9], features=features, root_token_id=41,
             position=1, tree_budget=4)),
         drafter_pb2.DrafterRequest(close=drafter_pb2.DrafterClose(session_id="s")),
     ]

@@ -320,7 +320,7 @@ class DrafterPool:
         link = state.link
         request = drafter_pb2.DrafterRequest(step=drafter_pb2.DrafterStep(
             session_id=session_id, step=step, committed_token_ids=committed, features=to_proto(features),
-            bonus_token_id=bonus, position=position, tree_budget=budget))
+            root_token_id=bonus, position=position, tree_budget=budget))
         try:
             reply = await link.ask(session_id, step, request, self.timeout_s)
         except (asyncio.TimeoutError, asyncio.QueueFull):
