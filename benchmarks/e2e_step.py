@@ -24,9 +24,9 @@ from pathlib import Path
 import torch
 
 from drafter_service.dflash_drafter import DFlashDrafter
-from drafter_service.drafter import StepRequest
 from modeling.config import ModelConfig
 from modeling.dflash import DFlashConfig, DFlashModel
+from modeling.speculation import DrafterSeed, DraftStep
 from modeling.target import CausalLM
 from modeling.tree import DraftTree
 from verifier_service.engine.config import EngineConfig
@@ -215,14 +215,14 @@ def measure(engine: Engine, hf, drafter: DFlashDrafter, context: int, budget: in
 
     feature_dim = drafter.info.feature_dim
     seed_features = torch.randn(WINDOW, feature_dim, dtype=torch.bfloat16, device=engine.device)
-    drafter.open(session_id, [7] * WINDOW, seed_features, session.kv_len - WINDOW)
+    drafter.open(session_id, DrafterSeed([7] * WINDOW, seed_features, session.kv_len - WINDOW))
     step_number = iter(range(1 << 30))
 
     def whole_step() -> None:
         committed = [session.root]
         features = torch.randn(1, feature_dim, dtype=torch.bfloat16, device=engine.device)
-        (drafted,) = drafter.draft([StepRequest(session_id, next(step_number), committed, features, session.root,
-                                                drafter.mirrors.context_length(session_id), budget)])
+        (drafted,) = drafter.draft([DraftStep(session_id, next(step_number), committed, features, session.root,
+                                              drafter.mirrors.context_length(session_id), budget)])
         engine.step([(session_id, drafted)])
 
     row = {"context": context, "budget": budget, "verify_ms": timed(verify_only),

@@ -3,11 +3,11 @@ Used by `ddtree offline` (offline generation, benchmarks) and as the reference t
 
 from __future__ import annotations
 
-import itertools
 import time
 from dataclasses import asdict, dataclass
 
-from drafter_service.drafter import Drafter, StepRequest
+from drafter_service.drafter import Drafter
+from modeling.speculation import StepCursor, drafter_seed, feature_tail
 from modeling.tree import DraftTree
 from verifier_service.engine.engine import Engine
 from verifier_service.engine.sampling import SamplingParams
@@ -17,7 +17,7 @@ from verifier_service.engine.sampling import SamplingParams
 class OfflineResult:
     token_ids: list[int]  # generated only
     text: str
-    acceptance_lengths: list[int]  # one per verify step, counting the bonus token
+    acceptance_lengths: list[int]  # one per verify step, counting the target's own next token
     stop_reason: str
     prefill_s: float
     decode_s: float
@@ -34,13 +34,11 @@ class OfflineResult:
 
 def _open_drafter(engine: Engine, drafter: Drafter, prompt: list[int]) -> str:
     info = drafter.info
-    window = info.context_window
+    uses_features = bool(info.feature_dim)
     engine.feature_layers = info.target_layer_ids
-    tail = (window or len(prompt)) if info.feature_dim else 0
+    tail = feature_tail(uses_features, info.context_window, engine.max_context)
     session, features = engine.create_session(prompt, feature_tail=tail)
-    committed = session.tokens[:-1]
-    seed = committed[-window:] if window and info.feature_dim else committed
-    drafter.open(session.session_id, seed, features, len(committed) - len(seed))
+    drafter.open(session.session_id, drafter_seed(session.tokens[:-1], features, uses_features, info.context_window))
     return session.session_id
 
 
@@ -53,18 +51,17 @@ def generate_offline(engine: Engine, drafter: Drafter | None, prompt: list[int],
     prefilled = time.perf_counter()
     generated: list[int] = []
     acceptance: list[int] = []
-    committed, features, position = [], None, session.kv_len
-    for step in itertools.count():
+    cursor = StepCursor(session_id, session.kv_len)
+    while True:
         tree = DraftTree.empty()
         if drafter is not None:
-            request = StepRequest(session_id, step, committed, features, session.root, position, tree_budget)
-            (tree,) = drafter.draft([request])
+            (tree,) = drafter.draft([cursor.draft_step(session.root, tree_budget)])
         (result,) = engine.step([(session_id, tree)])
         generated += result.emitted
         acceptance.append(result.acceptance_length)
         if result.finished:
             break
-        committed, features, position = result.committed, result.features, result.commit_start
+        cursor.advance(result.committed, result.features, result.commit_start)
     finished = time.perf_counter()
     if drafter is not None:
         drafter.close(session_id)

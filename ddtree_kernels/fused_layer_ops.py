@@ -1,7 +1,7 @@
 """The small row-wise ops of a decoder layer, each fused into one kernel (CUDA tensors).
 
 Inside a replayed CUDA graph a decode step is bound by kernel count as much as by bytes: in plain torch
-an RMSNorm is six kernels and a rotary embedding five, so a 36-layer step ran ~2000 small kernels.
+an RMSNorm or a rotary embedding is a chain of small elementwise kernels, and every layer repeats them.
 These keep torch's rounding points where they matter (the normalised row is cast to the model dtype
 before the weight multiplies it, as HF checkpoints were trained) and compute everything else in fp32.
 """
@@ -120,9 +120,9 @@ def norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: tor
     return out
 
 
-# Up to this many tokens each program takes one head, past it one KV group's worth of heads. Qwen3-8B's 48 heads
-# on an H200 (us per launch, one head / eight heads per program): 16 tokens 5.7 / 6.1, 64 tokens 7.5 / 6.4,
-# 4096 tokens 124 / 33 (benchmarks/results/qkv_epilogue_probe.md).
+# Up to this many tokens each program takes one head, past it one KV group's worth of heads: one head per
+# program is faster for a verify step's few tokens and far slower for a prefill chunk's thousands
+# (benchmarks/results/kernel_tuning.md, section 4).
 PER_HEAD_MAX_TOKENS = 32
 
 

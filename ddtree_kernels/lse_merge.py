@@ -79,6 +79,6 @@ def merge_partials(
         out.stride(0), out.stride(1),
         NUM_Q_HEADS=num_q_heads, HEAD_DIM=head_dim, BLOCK_N=plan.block_n,
         BLOCK_S=min(MAX_BLOCK_S, triton.next_power_of_2(plan.num_splits + has_tree)), HAS_TREE=has_tree,
-        num_warps=2 if head_dim <= 128 else 4,  # one [BLOCK_S, D] tile: 2 warps beat 4 at T=64 (1k: 21.5 vs 25.6 us)
+        num_warps=2 if head_dim <= 128 else 4,  # one [BLOCK_S, D] tile: 2 warps beat 4 (kernel_tuning.md, section 3)
     )
     return out

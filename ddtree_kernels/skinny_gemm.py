@@ -1,9 +1,8 @@
 """y = x @ w.T (+ bias) for the few rows of a verify or decode step: one streaming pass over w.
 
-With 1-32 rows a projection is bound by reading its weight matrix. cuBLAS reads the Q/K/V, O and down
-weights of an 8B model at 2.2-3.4 TB/s on an H200, this kernel at 2.5-3.6 (gate/up 3.9-4.0 against 3.8-4.0;
-benchmarks/results/skinny_gemm.md); a fixed ~4 us of ramp-up and tail per launch keeps both below the
-4.2 TB/s copy rate. Here the weight tile is the wide side of the MMA (swap-AB: the accumulator is
+With 1-32 rows a projection is bound by reading its weight matrix, and a fixed ramp-up and tail per launch
+keeps cuBLAS and this kernel alike below the copy rate (benchmarks/results/skinny_gemm.md compares the two
+per layer projection). Here the weight tile is the wide side of the MMA (swap-AB: the accumulator is
 [BLOCK_N, BLOCK_M]) and each program streams its own rows of w through a four-deep load pipeline, without
 split-K (it gained nothing at these shapes). The gated form computes the MLP's
 gate and up tiles side by side and writes silu(gate) * up, so the [rows, 2I] intermediate and the SiLU

@@ -1,4 +1,4 @@
-"""Flash-decoding over a paged KV prefix plus the tree block: the partials stage of verify and decode.
+"""Flash-decoding over a paged KV prefix plus the tree block: the partials stage of the hybrid verify attention.
 
 One program owns one (sequence, KV head, query block, split). Its query tile packs every query head of
 the KV group with every query token of the sequence (row m = token * GROUP + head in group), so each
@@ -28,8 +28,8 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 LOG2E = 1.4426950408889634
-# Two 64-key blocks per split at least: under the engine's graph bound, 1k keys at T=64 on an H200 take 18.6 us
-# against 20.9 us with one-block splits (benchmarks/results/verify_attention_run4.md); long prefixes never reach it.
+# Two key blocks per split at least: at short prefixes a one-block split costs more in its partial's write and
+# merge than it saves (benchmarks/results/kernel_tuning.md, section 2); long prefixes never reach the floor.
 MIN_SPLIT_BLOCKS: tl.constexpr = tl.constexpr(2)
 TREE_BLOCK_M = 32  # query rows per tree program (see `_tree_partial`)
 
@@ -47,12 +47,12 @@ class SplitConfig:
 
 
 def default_config(rows: int, head_dim: int) -> SplitConfig:
-    """Tuned on an H200 (benchmarks/results/verify_attention_run2.md).
+    """Tuned on an H200 (benchmarks/results/kernel_tuning.md, section 1).
 
     Up to 64 rows the prefix stage is bandwidth-bound: small tiles, two programs per SM keep enough
     loads in flight. Past that it is compute-bound: 128-row tiles of one warpgroup, two programs per SM,
-    so one program's softmax overlaps the other's matmuls (0.30 ms against 0.36 ms for one 256-row
-    program of 8 warps per SM at 128k, T=64). K/V blocks come through TMA wherever the pages allow it.
+    so one program's softmax overlaps the other's matmuls (faster than one 256-row program of 8 warps
+    per SM). K/V blocks come through TMA wherever the pages allow it.
     """
     if rows <= 64:
         return SplitConfig(block_m=64, block_n=64, num_warps=4 if head_dim <= 128 else 8, num_stages=3,
@@ -385,7 +385,7 @@ def check_paged_kv(
     q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, block_tables: torch.Tensor,
     lengths: torch.Tensor,
 ) -> None:
-    """Shape, dtype and stride checks shared by the verify and decode wrappers (before any launch)."""
+    """Shape, dtype and stride checks of the paged inputs, before any launch."""
     _require(q.dim() == 3 and k_pages.dim() == 4, "q must be [N, Hq, D] and pages [num_pages, P, Hkv, D]")
     _require(k_pages.shape == v_pages.shape and k_pages.stride() == v_pages.stride(),
              "k_pages and v_pages must share shape and strides")

@@ -2,20 +2,24 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
-from drafter_service.dflash_mirrors import DFlashMirrors, SessionNotFound
+from drafter_service.dflash_mirrors import DFlashMirrors
 from drafter_service.draft_graphs import DraftGraphs
-from drafter_service.drafter import DrafterInfo, StepRequest, UnknownSession
+from drafter_service.drafter import DrafterInfo
+from drafter_service.errors import SessionNotFound
 from drafter_service.tree_builder import trees_from_top_k
 from modeling.dflash import DFlashModel
+from modeling.speculation import DrafterSeed, DraftStep
 from modeling.tree import DraftTree
 
 
 class DFlashDrafter:
     def __init__(self, model: DFlashModel, context_window: int | None, max_budget: int = 255, max_sessions: int = 64,
                  cuda_graphs: bool = True):
-        """max_sessions: mirrors open at once (opening one more raises TooManySessions, a ValueError);
+        """max_sessions: mirrors open at once (opening one more raises TooManySessions);
         cuda_graphs: replay the draft from CUDA graphs where it can (a CUDA model and a context window)."""
         config = model.config
         if model.fc.weight.is_cuda:
@@ -34,39 +38,37 @@ class DFlashDrafter:
             raise ValueError(f"{field} must be [{rows}, {self.info.feature_dim}], got {list(features.shape)}")
         return features.to(device=self.weight.device, dtype=self.weight.dtype)
 
-    def open(self, session_id: str, tokens: list[int], features: torch.Tensor | None, start_position: int) -> None:
-        if features is None or features.ndim != 2:
+    def open(self, session_id: str, seed: DrafterSeed) -> None:
+        if seed.features is None or seed.features.ndim != 2:
             raise ValueError("open.features are required by the DFlash drafter ([m, F])")
-        rows = features.shape[0]
-        if rows > len(tokens):
-            raise ValueError(f"open.features has {rows} rows for {len(tokens)} tokens")
-        features = self._features(features, rows, "open.features")
-        self.mirrors.open(session_id, features, start_position + len(tokens) - rows)
+        rows = seed.features.shape[0]
+        if rows > len(seed.tokens):
+            raise ValueError(f"open.features has {rows} rows for {len(seed.tokens)} tokens")
+        features = self._features(seed.features, rows, "open.features")
+        self.mirrors.open(session_id, features, seed.start_position + len(seed.tokens) - rows)
 
     def warmup(self) -> None:
         """Capture the draft graph of every batch size now, rather than in the first batch of each size."""
         self.graphs.warmup()
 
-    def draft(self, requests: list[StepRequest]) -> list[DraftTree]:
-        if not requests:
+    def draft(self, steps: list[DraftStep]) -> list[DraftTree]:
+        if not steps:
             return []
         checked = []
-        for r in requests:
-            if r.session_id not in self.mirrors:
-                raise UnknownSession(f"session {r.session_id!r} is not open on this drafter")
-            if r.position > self.mirrors.context_length(r.session_id):
-                raise ValueError(f"step.position {r.position} is past the mirror's "
-                                 f"{self.mirrors.context_length(r.session_id)} positions")
-            checked.append(self._features(r.features, len(r.committed), "step.features"))
-        for r in requests:
-            if r.position < self.mirrors.context_length(r.session_id):
-                self.mirrors.crop(r.session_id, r.position)  # the verifier rolled back (a stop)
-        try:
-            inputs = self.mirrors.commit([(r.session_id, f, r.bonus, r.step) for r, f in zip(requests, checked)])
-        except SessionNotFound as error:
-            raise UnknownSession(str(error)) from error
-        budgets = [min(r.budget, self.info.max_budget) for r in requests]
-        values, ids = self.graphs.run(inputs, max(budgets))  # [S, B-1, max budget] on the host
+        for step in steps:
+            if step.session_id not in self.mirrors:
+                raise SessionNotFound(f"session {step.session_id!r} is not open on this drafter")
+            length = self.mirrors.context_length(step.session_id)
+            if step.position > length:
+                raise ValueError(f"step.position {step.position} is past the mirror's {length} positions")
+            checked.append(replace(step, features=self._features(step.features, len(step.committed),
+                                                                 "step.features")))
+        for step in steps:
+            if step.position < self.mirrors.context_length(step.session_id):
+                self.mirrors.crop(step.session_id, step.position)  # the verifier rolled back (a stop)
+        batch = self.mirrors.commit(checked)
+        budgets = [min(s.budget, self.info.max_budget) for s in steps]
+        values, ids = self.graphs.run(batch, max(budgets))  # [S, B-1, max budget] on the host
         return trees_from_top_k(values, ids, budgets)
 
     def close(self, session_id: str) -> None:

@@ -18,30 +18,13 @@ from typing import NamedTuple
 
 import torch
 
+from drafter_service.errors import SessionNotFound, StaleStep, TooManySessions
 from modeling.dflash import DFlashModel, KeyValue, LayerContext
+from modeling.speculation import DraftStep
 
 
-class SessionNotFound(KeyError):
-    """The session is not open here (never opened, closed, or on another replica): re-seed it with open."""
-
-
-class StaleStep(ValueError):
-    """A step number not above the session's last one: the verifier no longer waits for it."""
-
-
-class TooManySessions(ValueError):
-    """Every slot is taken: a new session must wait for another to close."""
-
-
-class DraftRequest(NamedTuple):
-    session_id: str
-    features: torch.Tensor  # [m, F] target features of the tokens committed since the last draft
-    bonus_token: int  # the pending root, not yet committed
-    step_number: int | None = None  # when given, must increase per session
-
-
-class DraftInputs(NamedTuple):
-    """What one batched draft needs per session, as host lists of S ints (DFlashModel.draft_logits)."""
+class DraftBatch(NamedTuple):
+    """The model's view of a batch of DraftSteps: S ints per field, on the host (DFlashModel.draft_logits)."""
 
     slots: list[int]
     roots: list[int]
@@ -117,11 +100,6 @@ class DFlashMirrors:
         self._write([mirror], rows)
         self._sessions[session_id] = mirror
 
-    def step(self, session_id: str, committed_features: torch.Tensor, bonus_token: int,
-             step_number: int | None = None) -> torch.Tensor:
-        """committed_features: [m, F] -> per-depth log-probs [B-1, V] of the block under bonus_token."""
-        return self.draft_batch([DraftRequest(session_id, committed_features, bonus_token, step_number)])[0]
-
     @torch.inference_mode()
     def crop(self, session_id: str, num_positions: int) -> None:
         """Roll the mirror back to `num_positions` committed positions (e.g. tokens past a stop)."""
@@ -139,29 +117,26 @@ class DFlashMirrors:
             heapq.heappush(self._free, mirror.slot)
 
     @torch.inference_mode()
-    def commit(self, requests: Sequence[DraftRequest | tuple]) -> DraftInputs:
-        """Add each request's committed features to its mirror -> the batch's draft inputs. Nothing changes
-        if any request is invalid (unknown or repeated session, stale step, malformed features)."""
-        requests = [DraftRequest(*r) for r in requests]
-        mirrors = [self._mirror(r.session_id) for r in requests]
-        if len({r.session_id for r in requests}) != len(requests):
+    def commit(self, steps: Sequence[DraftStep]) -> DraftBatch:
+        """Add each step's committed features (on the model's device and dtype) to its mirror -> the batch's
+        draft inputs. Nothing changes if any step is invalid (unknown or repeated session, stale step)."""
+        mirrors = [self._mirror(s.session_id) for s in steps]
+        if len({s.session_id for s in steps}) != len(steps):
             raise ValueError("a session may appear once per draft batch")
-        for request, mirror in zip(requests, mirrors):
-            if request.step_number is not None and mirror.last_step is not None \
-                    and request.step_number <= mirror.last_step:
-                raise StaleStep(f"session {request.session_id!r}: step {request.step_number} <= {mirror.last_step}")
-        if requests:
-            self._write(mirrors, self._project(mirrors, [r.features for r in requests]))
-        for request, mirror in zip(requests, mirrors):
-            if request.step_number is not None:
-                mirror.last_step = request.step_number
-        return DraftInputs([m.slot for m in mirrors], [r.bonus_token for r in requests], [m.length for m in mirrors])
+        for step, mirror in zip(steps, mirrors):
+            if mirror.last_step is not None and step.step <= mirror.last_step:
+                raise StaleStep(f"session {step.session_id!r}: step {step.step} <= {mirror.last_step}")
+        if steps:
+            self._write(mirrors, self._project(mirrors, [s.features for s in steps]))
+        for step, mirror in zip(steps, mirrors):
+            mirror.last_step = step.step
+        return DraftBatch([m.slot for m in mirrors], [s.root for s in steps], [m.length for m in mirrors])
 
     @torch.inference_mode()
-    def draft_batch(self, requests: Sequence[DraftRequest | tuple]) -> torch.Tensor:
+    def draft_batch(self, steps: Sequence[DraftStep]) -> torch.Tensor:
         """commit, then the full per-depth distributions of all sessions in one eager forward -> log-probs
         [S, B-1, V] (fp32). Serving drafts only the top-k (DraftGraphs); this is the whole picture."""
-        inputs = self.commit(requests)
+        inputs = self.commit(steps)
         head = self.model.lm_head.weight
         if not inputs.slots:
             return torch.empty(0, self.block_size - 1, head.shape[0], device=head.device)
@@ -171,7 +146,7 @@ class DFlashMirrors:
 
     def _mirror(self, session_id: str) -> _Mirror:
         if session_id not in self._sessions:
-            raise SessionNotFound(session_id)
+            raise SessionNotFound(f"session {session_id!r} is not open on this drafter")
         return self._sessions[session_id]
 
     def _allocate(self, rows: int, capacity: int) -> LayerContext:

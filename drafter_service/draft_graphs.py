@@ -1,6 +1,6 @@
 """The draft forward plus its per-depth top-k, replayed from CUDA graphs, one graph per batch-size bucket.
 
-Run eagerly, the drafter launches a few hundred small kernels per draft and its log_softmax writes
+Run eagerly, the drafter launches a long chain of small kernels per draft and its log_softmax writes
 S * (B-1) * V floats (V = 152k for Qwen3) for the top-k to read K of them. A replay is one launch; inside
 it the top-k turns only the K kept logits into log-probs, and only the [S, B-1, K] results travel to the
 host, where the DDTree heap runs. Every shape in a graph comes from its bucket: the mirror's slot buffers
@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 import torch
 
-from drafter_service.dflash_mirrors import DFlashMirrors, DraftInputs
+from drafter_service.dflash_mirrors import DFlashMirrors, DraftBatch
 from drafter_service.tree_builder import top_k_log_probs
 from modeling.graph_capture import buckets, capture
 
@@ -43,7 +43,7 @@ class DraftGraphs:
             self.pool = torch.cuda.graph_pool_handle()  # NOTE: buckets never replay at once, so they share memory
 
     @torch.inference_mode()
-    def run(self, inputs: DraftInputs, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def run(self, inputs: DraftBatch, width: int) -> tuple[torch.Tensor, torch.Tensor]:
         """-> the `width` best log-probs (fp32) and token ids per depth, ranked best first with ties by token
         id (ddtree's contract), [S, B-1, width] on the host."""
         count = len(inputs.slots)
@@ -72,7 +72,7 @@ class DraftGraphs:
         logits = mirrors.model.draft_logits(roots, starts, slots, mirrors.contexts, mirrors.context_window)
         return top_k_log_probs(logits, self.top_k)
 
-    def _upload(self, inputs: DraftInputs, size: int) -> None:
+    def _upload(self, inputs: DraftBatch, size: int) -> None:
         count = len(inputs.slots)
         # NOTE: the previous run waited for its results, so its upload has left the pinned buffer.
         self.host[:, :count] = torch.tensor(inputs)

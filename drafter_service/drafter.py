@@ -8,20 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-import torch
-
+from modeling.speculation import DrafterSeed, DraftStep
 from modeling.tree import DraftTree
-
-
-@dataclass(frozen=True)
-class StepRequest:
-    session_id: str
-    step: int
-    committed: list[int]  # tokens committed since the previous step (old root + accepted path)
-    features: torch.Tensor | None  # [len(committed), F] their target features (None for n-gram)
-    bonus: int  # the pending root the tree hangs under
-    position: int  # position of committed[0] (of the bonus when nothing was committed)
-    budget: int  # nodes wanted
 
 
 @dataclass(frozen=True)
@@ -37,19 +25,16 @@ class DrafterInfo:
 class Drafter(Protocol):
     info: DrafterInfo
 
-    def open(self, session_id: str, tokens: list[int], features: torch.Tensor | None, start_position: int) -> None:
-        """Start or replace a mirror: `tokens` are committed, tokens[i] at start_position + i; `features`
-        belong to the last rows of `tokens`."""
+    def open(self, session_id: str, seed: DrafterSeed) -> None:
+        """Start or replace a mirror: seed.tokens are committed, tokens[i] at seed.start_position + i;
+        seed.features belong to the last rows of seed.tokens."""
         ...
 
-    def draft(self, requests: list[StepRequest]) -> list[DraftTree]:
-        """Apply each request's committed tokens and draft every session in one batch. Raises on an
-        invalid request (unknown session, stale step, malformed features) without changing any mirror."""
+    def draft(self, steps: list[DraftStep]) -> list[DraftTree]:
+        """Apply each step's committed tokens and draft every session in one batch. Raises on an invalid
+        step (unknown session, stale step, malformed features) without changing any mirror."""
         ...
 
     def close(self, session_id: str) -> None:
         ...
 
-
-class UnknownSession(KeyError):
-    """The session is not open on this replica: the verifier must re-seed it (NOT_FOUND)."""

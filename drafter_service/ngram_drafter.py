@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import torch
-
-from drafter_service.drafter import DrafterInfo, StepRequest, UnknownSession
+from drafter_service.drafter import DrafterInfo
+from drafter_service.errors import SessionNotFound
 from drafter_service.ngram_index import NgramIndex
+from modeling.speculation import DrafterSeed, DraftStep
 from modeling.tree import DraftTree
 
 MAX_DEPTH = 16  # deepest draft; the verifier's tree budget bounds the width
@@ -17,31 +17,31 @@ class NgramDrafter:
         self.max_depth = max_depth
         self.info = DrafterInfo("ngram", max_depth + 1, None, (), 0, max_budget)
 
-    def open(self, session_id: str, tokens: list[int], features: torch.Tensor | None, start_position: int) -> None:
+    def open(self, session_id: str, seed: DrafterSeed) -> None:
         # NOTE: the history is positional; a seed that starts late only shortens what can be matched.
-        self.ngram.open(session_id, list(tokens))
+        self.ngram.open(session_id, list(seed.tokens))
 
-    def _advance(self, request: StepRequest) -> None:
+    def _advance(self, step: DraftStep) -> None:
         """Bring the history to committed tokens + pending root: it ends with the previous root, which is
         normally committed[0] at `position`; anything else (a rollback) rebuilds it."""
-        history = self.ngram.history(request.session_id)
-        position, committed = request.position, request.committed
+        history = self.ngram.history(step.session_id)
+        position, committed = step.position, step.committed
         if not committed and len(history) == position:
-            self.ngram.extend(request.session_id, [request.bonus])
+            self.ngram.extend(step.session_id, [step.root])
         elif committed and len(history) == position + 1 and history[-1] == committed[0]:
-            self.ngram.extend(request.session_id, committed[1:] + [request.bonus])
+            self.ngram.extend(step.session_id, committed[1:] + [step.root])
         else:
-            self.ngram.open(request.session_id, history[:position] + committed + [request.bonus])
+            self.ngram.open(step.session_id, history[:position] + committed + [step.root])
 
-    def draft(self, requests: list[StepRequest]) -> list[DraftTree]:
-        for request in requests:
-            if request.session_id not in self.ngram:
-                raise UnknownSession(f"session {request.session_id!r} is not open on this drafter")
-            if request.position > len(self.ngram.history(request.session_id)):
-                raise ValueError(f"step.position {request.position} is past the session's history")
-        for request in requests:
-            self._advance(request)
-        return [self.ngram.draft(r.session_id, min(r.budget, self.info.max_budget), self.max_depth) for r in requests]
+    def draft(self, steps: list[DraftStep]) -> list[DraftTree]:
+        for step in steps:
+            if step.session_id not in self.ngram:
+                raise SessionNotFound(f"session {step.session_id!r} is not open on this drafter")
+            if step.position > len(self.ngram.history(step.session_id)):
+                raise ValueError(f"step.position {step.position} is past the session's history")
+        for step in steps:
+            self._advance(step)
+        return [self.ngram.draft(s.session_id, min(s.budget, self.info.max_budget), self.max_depth) for s in steps]
 
     def close(self, session_id: str) -> None:
         self.ngram.close(session_id)

@@ -6,10 +6,9 @@ different occurrences share prefixes, so they form a trie; the tree keeps the `b
 the most occurrences pass through (the most frequent prefixes: DDTree's rule with the empirical
 conditional distribution), shallower first on equal counts.
 
-Trie vs per-depth distributions fed to the DDTree builder, measured as greedy mean acceptance length
-(bonus included, max depth 15, min_n 1, max_n 4) by replaying 30 Python stdlib files (112k word-level
-tokens) as the target's own output: budget 15: trie 1.786, per-depth 1.755 (trie with recency-only
-ties: 1.733); budget 63: trie 1.885, per-depth 1.880. The trie wins or ties, with no V-wide rows to build.
+Why a trie rather than per-depth distributions fed to the DDTree builder: continuations keep their
+conditioning (a node's count is the occurrences that pass through its whole path), there are no V-wide
+rows to build, and replayed text accepted as much or more (benchmarks/results/ngram_trie.md).
 
 The history holds the committed tokens followed by the pending token (the tree's root): after a verify
 step, extend() it with the accepted tokens and the new pending token.
@@ -113,7 +112,7 @@ def _trie_tree(continuations: list[list[int]], budget: int) -> DraftTree:
 
     Continuations come most recent first, so among equal counts and depths the recent occurrence wins;
     shallower-first on ties spreads the budget over alternatives instead of one long single-match chain
-    (measured: better acceptance, see the module docstring). A child's count never exceeds its parent's
+    (better acceptance: benchmarks/results/ngram_trie.md). A child's count never exceeds its parent's
     and the child is deeper, so sorting by (-count, depth, creation order) lists parents first: the kept
     prefix is a tree in topological order.
     """

@@ -11,15 +11,7 @@ import sys
 from drafter_service.drafter import Drafter
 from drafter_service.servicer import DrafterServicer
 from proto import drafter_pb2, drafter_pb2_grpc
-from proto.serving import (
-    add_health_and_reflection,
-    bind,
-    mark_serving,
-    new_server,
-    run_service,
-    server_options,
-    wait_for_termination_signal,
-)
+from proto.serving import ServiceServer, server_options, service_main
 
 SERVICE_NAME = drafter_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name
 
@@ -63,24 +55,16 @@ async def serve(args: argparse.Namespace) -> None:
     servicer = DrafterServicer(drafter, args.replica_id)
     # NOTE: verifiers find new replicas by re-resolving the name themselves; a long connection age only bounds
     # how long a verifier keeps a connection to an address that DNS no longer lists.
-    server = new_server(server_options(max_connection_age_s=300.0))
-    drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, server)
-    health_servicer = add_health_and_reflection(server, [SERVICE_NAME])
-    port = bind(server, args.listen)
+    server = ServiceServer(SERVICE_NAME, drafter_pb2_grpc.add_DrafterServicer_to_server, servicer, args.listen,
+                           server_options(max_connection_age_s=300.0))
     servicer.start()
     await server.start()
-    await mark_serving(health_servicer, [SERVICE_NAME])
-    logging.info("drafter %s (%s) listening on port %d", args.replica_id, servicer.drafter.info.kind, port)
-    await wait_for_termination_signal()
-    await health_servicer.enter_graceful_shutdown()
-    await server.stop(grace=1.0)
+    logging.info("drafter %s (%s) listening on port %d", args.replica_id, servicer.drafter.info.kind, server.port)
+    await server.serve_until_signal(grace_s=1.0)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s drafter %(levelname)s %(message)s")
-    return run_service(parser.prog, lambda: serve(args))
+    return service_main(build_parser(), serve, argv, "drafter")
 
 
 if __name__ == "__main__":

@@ -7,9 +7,9 @@ written, or while others wait, queues in one scheduler; whatever is queued then 
 streams that arrive together still share a forward. A newer step for a session whose older step is still
 queued absorbs it (its committed tokens are kept, its reply is dropped as stale).
 
-Drafts run on the event loop itself: a hop to a worker thread and back cost ~0.5 ms of GIL hand-over
-next to gRPC's poller (measured), more than an n-gram draft or a graph-replayed DFlash forward. Nothing
-else needs the loop while a draft runs: messages arriving meanwhile wait in gRPC and form the next batch."""
+Drafts run on the event loop itself: a hop to a worker thread and back (GIL hand-overs next to gRPC's
+poller) cost more than an n-gram draft or a graph-replayed DFlash forward. Nothing else needs the loop
+while a draft runs: messages arriving meanwhile wait in gRPC and form the next batch."""
 
 from __future__ import annotations
 
@@ -23,9 +23,11 @@ from dataclasses import dataclass, replace
 import grpc
 import torch
 
-from drafter_service.drafter import Drafter, StepRequest, UnknownSession
+from drafter_service.drafter import Drafter
+from modeling.speculation import DrafterSeed, DraftStep
 from modeling.tree import DraftTree
 from proto import common_pb2, drafter_pb2, drafter_pb2_grpc
+from proto.status import status_of
 from proto.tensors import from_proto
 
 log = logging.getLogger(__name__)
@@ -102,11 +104,11 @@ class _Stream:
 
 @dataclass
 class _Queued:
-    request: StepRequest
+    step: DraftStep
     stream: _Stream
 
 
-def _merge(older: StepRequest, newer: StepRequest) -> StepRequest:
+def _merge(older: DraftStep, newer: DraftStep) -> DraftStep:
     features = None
     if older.features is not None or newer.features is not None:
         parts = [f for f in (older.features, newer.features) if f is not None]
@@ -118,10 +120,8 @@ def _tree_pb(tree: DraftTree) -> common_pb2.DraftTree:
     return common_pb2.DraftTree(tokens=tree.tokens, parents=tree.parents, depths=tree.depths, logprobs=tree.logprobs)
 
 
-def _error_code(error: Exception) -> grpc.StatusCode:
-    if isinstance(error, UnknownSession):
-        return grpc.StatusCode.NOT_FOUND
-    return grpc.StatusCode.INVALID_ARGUMENT if isinstance(error, ValueError) else grpc.StatusCode.INTERNAL
+# NOTE: a malformed tensor or position from the verifier raises a plain ValueError deep in the drafter.
+FALLBACKS = ((ValueError, grpc.StatusCode.INVALID_ARGUMENT),)
 
 
 class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
@@ -136,9 +136,13 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
     def start(self) -> None:
         self.task = asyncio.create_task(self._draft_forever(), name="draft-scheduler")
 
-    def _error(self, session_id: str, step: int, code: grpc.StatusCode, message: str) -> drafter_pb2.DrafterReply:
+    def _error(self, session_id: str, step: int, error: Exception) -> drafter_pb2.DrafterReply:
+        """The session's error reply; the stream and the other sessions on it go on."""
+        code, details = status_of(error, FALLBACKS)
+        if code == grpc.StatusCode.INTERNAL:
+            log.error("session %s, step %d: draft failed", session_id, step, exc_info=error)
         return drafter_pb2.DrafterReply(error=drafter_pb2.DrafterSessionError(
-            session_id=session_id, step=step, code=code.value[0], message=message, replica_id=self.replica_id))
+            session_id=session_id, step=step, code=code.value[0], message=details, replica_id=self.replica_id))
 
     # ---- the stream ------------------------------------------------------------------------------------
 
@@ -172,10 +176,10 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
     async def _open(self, message: drafter_pb2.DrafterOpen, stream: _Stream) -> None:
         self.queued.pop(message.session_id, None)  # steps for the old mirror are stale
         try:
-            features = from_proto(message.features)
-            self.drafter.open(message.session_id, list(message.token_ids), features, message.start_position)
-        except ValueError as error:
-            await stream.write(self._error(message.session_id, 0, grpc.StatusCode.INVALID_ARGUMENT, str(error)))
+            seed = DrafterSeed(list(message.token_ids), from_proto(message.features), message.start_position)
+            self.drafter.open(message.session_id, seed)
+        except Exception as error:  # noqa: BLE001 - becomes the session's error reply
+            await stream.write(self._error(message.session_id, 0, error))
             return
         stream.opened.add(message.session_id)
         self.open_ids.add(message.session_id)
@@ -184,26 +188,25 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         try:
             features = from_proto(message.features)
         except ValueError as error:
-            await stream.write(self._error(message.session_id, message.step, grpc.StatusCode.INVALID_ARGUMENT,
-                                           str(error)))
+            await stream.write(self._error(message.session_id, message.step, error))
             return
-        request = StepRequest(message.session_id, message.step, list(message.committed_token_ids), features,
-                              message.root_token_id, message.position, message.tree_budget)
+        step = DraftStep(message.session_id, message.step, list(message.committed_token_ids), features,
+                         message.root_token_id, message.position, message.tree_budget)
         if self._idle():
-            ((_, reply),) = self._draft([_Queued(request, stream)])
+            ((_, reply),) = self._draft([_Queued(step, stream)])
             await stream.write(reply)
         else:
-            self._enqueue(request, stream)
+            self._enqueue(step, stream)
 
     def _idle(self) -> bool:
         """Nothing queued and no reply being written: a step now has no batch to join."""
         return not self.queued and not any(stream.writing for stream in self.streams)
 
-    def _enqueue(self, request: StepRequest, stream: _Stream) -> None:
-        older = self.queued.get(request.session_id)
+    def _enqueue(self, step: DraftStep, stream: _Stream) -> None:
+        older = self.queued.get(step.session_id)
         if older is not None:
-            request = _merge(older.request, request)
-        self.queued[request.session_id] = _Queued(request, stream)
+            step = _merge(older.step, step)
+        self.queued[step.session_id] = _Queued(step, stream)
         self.wakeup.set()
 
     # ---- the scheduler -----------------------------------------------------------------------------------
@@ -221,18 +224,15 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         """One forward for the batch; a failure is retried one session at a time, to isolate the one at fault."""
         started = time.perf_counter()
         try:
-            trees = self.drafter.draft([q.request for q in batch])
+            trees = self.drafter.draft([queued.step for queued in batch])
         except Exception as error:  # noqa: BLE001 - becomes a per-session error reply
             if len(batch) > 1:
                 return [reply for queued in batch for reply in self._draft([queued])]
-            code = _error_code(error)
-            if code == grpc.StatusCode.INTERNAL:
-                log.exception("draft failed")
-            request = batch[0].request
-            return [(batch[0].stream, self._error(request.session_id, request.step, code, str(error)))]
+            step = batch[0].step
+            return [(batch[0].stream, self._error(step.session_id, step.step, error))]
         draft_ms = (time.perf_counter() - started) * 1e3
         return [(queued.stream, drafter_pb2.DrafterReply(tree=drafter_pb2.DrafterTree(
-            session_id=queued.request.session_id, step=queued.request.step, tree=_tree_pb(tree),
+            session_id=queued.step.session_id, step=queued.step.step, tree=_tree_pb(tree),
             replica_id=self.replica_id, draft_ms=draft_ms))) for queued, tree in zip(batch, trees)]
 
     async def Info(self, request, context) -> drafter_pb2.DrafterInfoReply:

@@ -1,10 +1,10 @@
 """DDTree: the draft tree of `budget` nodes that maximizes the sum of path probabilities.
 
-DESIGN.md section 4. The drafter gives one log-probability row per depth (the same distribution for
+docs/design.md section 4. The drafter gives one log-probability row per depth (the same distribution for
 every node at that depth), so a node's path log-prob is the sum of its ranks' log-probs along the path
 and the best `budget` prefixes can be popped best-first from a heap. The top-k runs on the drafter's
-device; the heap runs on the CPU over plain Python floats (no per-node tensor ops), which keeps it
-well under a millisecond for budget 256 (benchmarks/ddtree_builder.py).
+device; the heap runs on the CPU over plain Python floats (no per-node tensor ops), which keeps it a
+small share of the build next to the top-k (benchmarks/results/ddtree_builder.md).
 
 Tie-breaking (deterministic, documented because acceptance depends on it):
 - within a depth, equal log-probs are ranked by token id, lowest first (among the top-k kept; which

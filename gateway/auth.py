@@ -1,6 +1,6 @@
 """API keys: `authorization: Bearer <key>` metadata checked against the configured keys.
 
-Pure domain code (no gRPC): the servicer maps Unauthenticated to UNAUTHENTICATED. A caller is
+Pure domain code (no gRPC calls); Unauthenticated (gateway/errors.py) ends the call UNAUTHENTICATED. A caller is
 identified by its key's SHA-256 digest, so sessions and logs never hold a key itself.
 """
 
@@ -10,11 +10,9 @@ import hashlib
 import hmac
 from collections.abc import Iterable
 
+from gateway.errors import Unauthenticated
+
 BEARER = "bearer"
-
-
-class Unauthenticated(Exception):
-    """Keys are on and the call carries no key, or an unknown one."""
 
 
 def key_digest(key: str) -> str:

@@ -1,27 +1,38 @@
-"""The one place where the gateway's exceptions become gRPC status codes."""
+"""The gateway's errors, each naming its gRPC status (proto/status.py), and the status a verifier's failure
+reaches the client with."""
 
 from __future__ import annotations
 
 import grpc
 
-from gateway.auth import Unauthenticated
-from gateway.sessions import SessionForbidden, SessionNotFound, TooManySessions
+from proto.status import InvalidArgument, SessionBusy, SessionNotFound, Status, StatusError, TooManySessions
+
+__all__ = ["InvalidArgument", "NoVerifier", "QuotaExceeded", "SessionBusy", "SessionForbidden", "SessionNotFound",
+           "TooManySessions", "Unauthenticated", "verifier_status"]
 
 
-class InvalidArgument(ValueError):
-    """A request field is out of range; the message starts with the field's name."""
+class Unauthenticated(StatusError):
+    """Keys are on and the call carries no key, or an unknown one."""
+
+    code = grpc.StatusCode.UNAUTHENTICATED
 
 
-class SessionBusy(RuntimeError):
-    """A call needs the session idle, but a generation runs on it."""
+class SessionForbidden(StatusError):
+    """The handle belongs to another API key."""
+
+    code = grpc.StatusCode.PERMISSION_DENIED
 
 
-class NoVerifier(RuntimeError):
-    """No verifier answers now (UNAVAILABLE: the caller should retry)."""
+class NoVerifier(StatusError):
+    """No verifier answers now: the caller should retry."""
+
+    code = grpc.StatusCode.UNAVAILABLE
 
 
-class QuotaExceeded(RuntimeError):
-    """The caller's account would hold more KV than its share (RESOURCE_EXHAUSTED)."""
+class QuotaExceeded(StatusError):
+    """The caller's account would hold more KV than its share."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
 # NOTE: the verifier writes these statuses' details for the caller (which field, how much room) and names no
@@ -37,27 +48,12 @@ _VERIFIER_MESSAGES = {
 }
 
 
-_CODES: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
-    (InvalidArgument, grpc.StatusCode.INVALID_ARGUMENT),
-    (SessionNotFound, grpc.StatusCode.NOT_FOUND),
-    (SessionForbidden, grpc.StatusCode.PERMISSION_DENIED),
-    (TooManySessions, grpc.StatusCode.RESOURCE_EXHAUSTED),
-    (Unauthenticated, grpc.StatusCode.UNAUTHENTICATED),
-    (SessionBusy, grpc.StatusCode.FAILED_PRECONDITION),
-    (NoVerifier, grpc.StatusCode.UNAVAILABLE),
-    (QuotaExceeded, grpc.StatusCode.RESOURCE_EXHAUSTED),
-)
-
-
-def status_of(exc: Exception) -> tuple[grpc.StatusCode, str] | None:
-    """The status for a known failure; a verifier's status keeps its code, and its details where they are
-    meant for the caller."""
-    if isinstance(exc, grpc.aio.AioRpcError):
-        code = exc.code()
-        if code in _VERIFIER_DETAILS_PASSED_ON:
-            return code, exc.details() or ""
-        return code, _VERIFIER_MESSAGES.get(code, f"the verifier failed ({code.name})")
-    for kind, code in _CODES:
-        if isinstance(exc, kind):
-            return code, str(exc)
-    return None
+def verifier_status(error: Exception) -> Status | None:
+    """The status a verifier's failed call reaches the client with: its code, and its details where they are
+    meant for the caller; None for an error that is no verifier call's."""
+    if not isinstance(error, grpc.aio.AioRpcError):
+        return None
+    code = error.code()
+    if code in _VERIFIER_DETAILS_PASSED_ON:
+        return code, error.details() or ""
+    return code, _VERIFIER_MESSAGES.get(code, f"the verifier failed ({code.name})")

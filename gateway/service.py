@@ -19,10 +19,10 @@ import grpc
 
 from gateway import validation
 from gateway.config import GatewayConfig
-from gateway.errors import NoVerifier, QuotaExceeded, SessionBusy
+from gateway.errors import NoVerifier, QuotaExceeded, SessionBusy, SessionNotFound, TooManySessions
 from gateway.generation import Relay
 from gateway.metrics import GatewayMetrics
-from gateway.sessions import SessionEntry, SessionNotFound, SessionRegistry, TooManySessions
+from gateway.sessions import SessionEntry, SessionRegistry
 from gateway.text import OutputText
 from gateway.verifiers import VerifierPool
 from modeling.tokenizer import Tokenizer

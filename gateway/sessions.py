@@ -1,7 +1,7 @@
 """The gateway's session registry: opaque handles -> the verifier session that holds their KV.
 
-Pure domain code (no gRPC): the servicer maps SessionNotFound to NOT_FOUND, SessionForbidden to
-PERMISSION_DENIED and TooManySessions to RESOURCE_EXHAUSTED.
+Pure domain code (no gRPC calls): its errors (SessionNotFound, SessionForbidden, TooManySessions) name their
+status codes in gateway/errors.py.
 
 Each entry also names the quota account it counts against (the API key, or the client's address when quotas
 go by peer) and the KV tokens it holds or may add while a generation runs.
@@ -15,21 +15,11 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from gateway.errors import SessionForbidden, SessionNotFound, TooManySessions
+
 # 24 random bytes = 192 bits: a handle cannot be guessed, only handed out. Hex, so a handle never
 # starts with "-" (which a command line would take for an option).
 HANDLE_BYTES = 24
-
-
-class SessionNotFound(LookupError):
-    """The handle is unknown, released or expired."""
-
-
-class SessionForbidden(PermissionError):
-    """The handle belongs to another API key."""
-
-
-class TooManySessions(RuntimeError):
-    """The key already holds its maximum number of sessions."""
 
 
 @dataclass

@@ -5,39 +5,17 @@ from __future__ import annotations
 from typing import Protocol
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from modeling.config import ModelConfig
-from modeling.rope import apply_rotary
-
-
-def fused_ops():
-    """The fused Triton versions of the row-wise ops, used on CUDA tensors (Triton loads only there)."""
-    from ddtree_kernels import fused_layer_ops
-
-    return fused_layer_ops
-
-
-def skinny_gemm():
-    """The Triton GEMM for few-row inputs, used on CUDA tensors (Triton loads only there)."""
-    from ddtree_kernels import skinny_gemm
-
-    return skinny_gemm
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, through the skinny-M GEMM when x is a CUDA step's few rows (it streams the weight faster)."""
-    if x.is_cuda and skinny_gemm().fits(x, weight):
-        return skinny_gemm().linear(x, weight, bias)
-    return F.linear(x, weight, bias)
+from modeling.ops import row_ops
 
 
 class Linear(nn.Linear):
-    """nn.Linear (same parameters and checkpoint names) computed by `linear`."""
+    """nn.Linear (same parameters and checkpoint names) computed by the row ops of x's device."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return row_ops(x).linear(x, self.weight, self.bias)
 
 
 class LayerAttention(Protocol):
@@ -60,21 +38,13 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda:
-            return fused_ops().rms_norm(x, self.weight, self.eps)
-        # NOTE: normalise in fp32 and scale after casting back, as HF checkpoints were trained.
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return row_ops(x).rms_norm(x, self.weight, self.eps)
 
     def add_and_norm(self, x: torch.Tensor, delta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """The residual add and this norm: (x + delta, norm(x + delta)); no add when delta is None."""
         if delta is None:
             return x, self(x)
-        if x.is_cuda:
-            return fused_ops().add_rms_norm(x, delta, self.weight, self.eps)
-        total = x + delta
-        return total, self(total)
+        return row_ops(x).add_rms_norm(x, delta, self.weight, self.eps)
 
 
 class FusedLinear(nn.Module):
@@ -97,7 +67,7 @@ class FusedLinear(nn.Module):
             start += size
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
+        return row_ops(x).linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
 
 
 class MLP(nn.Module):
@@ -113,14 +83,10 @@ class MLP(nn.Module):
         return self.down_proj(self.activation(x))
 
     def activation(self, x: torch.Tensor) -> torch.Tensor:
-        """silu(gate(x)) * up(x): one fused kernel for a CUDA step's few rows, else the GEMM then the product."""
-        fused = self.gate_up
-        if x.is_cuda and fused is not None and skinny_gemm().fits(x, fused.weight, gated=True):
-            return skinny_gemm().silu_mul_linear(x, fused.weight, fused.bias)
-        gate, up = fused(x) if fused is not None else (self.gate_proj(x), self.up_proj(x))
-        if x.is_cuda:
-            return fused_ops().silu_mul(gate, up)
-        return F.silu(gate) * up
+        """silu(gate(x)) * up(x), from the fused gate/up projection when there is one."""
+        if self.gate_up is not None:
+            return row_ops(x).silu_mul_linear(x, self.gate_up.weight, self.gate_up.bias)
+        return row_ops(x).silu_mul(self.gate_proj(x), self.up_proj(x))
 
 
 class Attention(nn.Module):
@@ -143,20 +109,17 @@ class Attention(nn.Module):
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, ...]:
-        """q [N, Hq, D], k and v [N, Hkv, D] of the same tokens; on CUDA k and v land in `kv_out` if given."""
+        """q [N, Hq, D], k and v [N, Hkv, D] of the same tokens; on CUDA k and v land in `kv_out` if given
+        (once the projections are fused)."""
         if self.qkv is None:
             return self.query(x, cos, sin), *self.key_value(x, cos, sin)
         q, k, v = (t.view(x.shape[0], -1, self.head_dim) for t in self.qkv(x))
-        if not x.is_cuda:
-            return norm_rope(q, self.q_norm, cos, sin), norm_rope(k, self.k_norm, cos, sin), v
-        k_out, v_out = kv_out or (torch.empty_like(k), torch.empty_like(v))
         if self.q_norm is None:  # Llama: no q/k norms
             q_weight = k_weight = None
             eps = 0.0
         else:
             q_weight, k_weight, eps = self.q_norm.weight, self.k_norm.weight, self.q_norm.eps
-        q = fused_ops().qkv_norm_rope(q, k, v, q_weight, k_weight, eps, cos, sin, k_out, v_out)
-        return q, k_out, v_out
+        return row_ops(x).qkv_norm_rope(q, k, v, q_weight, k_weight, eps, cos, sin, kv_out)
 
     def query(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         q = self.q_proj(x).view(x.shape[0], self.num_heads, self.head_dim)  # [N, Hq, D]
@@ -173,9 +136,7 @@ class Attention(nn.Module):
 
 def norm_rope(x: torch.Tensor, norm: RMSNorm | None, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """The per-head q/k norm (when the model has one) and RoPE; x: [N, H, D]."""
-    if x.is_cuda:
-        return fused_ops().norm_rope(x, None if norm is None else norm.weight, norm.eps if norm else 0.0, cos, sin)
-    return apply_rotary(x if norm is None else norm(x), cos, sin)
+    return row_ops(x).norm_rope(x, None if norm is None else norm.weight, norm.eps if norm else 0.0, cos, sin)
 
 
 class DecoderLayer(nn.Module):

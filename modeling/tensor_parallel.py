@@ -19,7 +19,8 @@ from torch import nn
 
 from modeling.checkpoint import load_weights
 from modeling.config import ModelConfig
-from modeling.layers import Linear, linear
+from modeling.layers import Linear
+from modeling.ops import row_ops
 from modeling.target import CausalLM
 
 Range = tuple[int, int]  # [start, end)
@@ -109,7 +110,7 @@ class RowParallelLinear(Linear):
     (held whole by every rank) is added once."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = linear(x, self.weight)
+        out = row_ops(x).linear(x, self.weight)
         dist.all_reduce(out)
         return out if self.bias is None else out + self.bias
 

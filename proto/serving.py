@@ -4,8 +4,10 @@ server's start fails; plus the channel options its clients use."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import errno
+import logging
 import signal
 import socket
 import sys
@@ -116,9 +118,40 @@ def add_health_and_reflection(server: grpc.aio.Server, service_names: list[str])
     return health_servicer
 
 
-async def mark_serving(health_servicer: health.aio.HealthServicer, service_names: list[str]) -> None:
+async def mark_serving(health_servicer: health.aio.HealthServicer, service_names: list[str],
+                       serving: bool = True) -> None:
+    """The health status of the server ("") and of each named service: SERVING, or NOT_SERVING."""
+    status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
     for name in ("", *service_names):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+        await health_servicer.set(name, status)
+
+
+class ServiceServer:
+    """One ddtree.v1 service on a server of its own (see new_server) beside grpc.health.v1 and reflection,
+    bound to `listen` on construction: a taken address fails before the caller starts its own machinery.
+    `add_servicer` is the generated `add_<Service>Servicer_to_server`."""
+
+    def __init__(self, service_name: str, add_servicer: Callable[[Any, grpc.aio.Server], None], servicer: Any,
+                 listen: str, options: list[tuple[str, int]]):
+        self.service_names = [service_name]
+        self.server = new_server(options)
+        add_servicer(servicer, self.server)
+        self.health = add_health_and_reflection(self.server, self.service_names)
+        self.port = bind(self.server, listen)
+
+    async def start(self) -> None:
+        """Accept calls and report SERVING."""
+        await self.server.start()
+        await self.set_serving(True)
+
+    async def set_serving(self, serving: bool) -> None:
+        await mark_serving(self.health, self.service_names, serving)
+
+    async def serve_until_signal(self, grace_s: float) -> None:
+        """Until SIGINT or SIGTERM; then report NOT_SERVING and stop, giving running calls `grace_s`."""
+        await wait_for_termination_signal()
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace=grace_s)
 
 
 async def wait_for_termination_signal() -> None:
@@ -140,6 +173,15 @@ def describe(error: BaseException) -> str:
     if text and isinstance(error, (ValueError, OSError)):
         return text
     return f"{type(error).__name__}: {text}" if text else type(error).__name__
+
+
+def service_main(parser: argparse.ArgumentParser, serve: Callable[[argparse.Namespace], Coroutine[Any, Any, None]],
+                 argv: list[str] | None, log_name: str) -> int:
+    """A service's `main`: parse `argv`, log INFO lines tagged `log_name` to stderr, run `serve(args)` as
+    run_service does."""
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {log_name} %(levelname)s %(message)s")
+    return run_service(parser.prog, lambda: serve(args))
 
 
 def run_service(prog: str, serve: Callable[[], Coroutine[Any, Any, None]]) -> int:

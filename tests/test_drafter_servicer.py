@@ -11,9 +11,9 @@ import asyncio
 
 import grpc
 
-from drafter_service.drafter import StepRequest
 from drafter_service.ngram_drafter import NgramDrafter
 from drafter_service.servicer import DrafterServicer
+from modeling.speculation import DrafterSeed, DraftStep
 from proto import common_pb2, drafter_pb2, drafter_pb2_grpc
 from verifier_service.drafter_pool import DrafterPool
 from verifier_service.metrics import VerifierMetrics
@@ -30,11 +30,11 @@ class RecordingDrafter(NgramDrafter):
         self.batches: list[tuple[str, list[str]]] = []
         self.failing = set(failing)
 
-    def draft(self, requests: list[StepRequest]):
-        self.batches.append((asyncio.current_task().get_name(), [r.session_id for r in requests]))
-        if self.failing.intersection(r.session_id for r in requests):
+    def draft(self, steps: list[DraftStep]):
+        self.batches.append((asyncio.current_task().get_name(), [s.session_id for s in steps]))
+        if self.failing.intersection(s.session_id for s in steps):
             raise RuntimeError("boom")
-        return super().draft(requests)
+        return super().draft(steps)
 
 
 class FakeStream:
@@ -60,10 +60,10 @@ class FakeStream:
         self.inbox.put_nowait(drafter_pb2.DrafterRequest(open=drafter_pb2.DrafterOpen(
             session_id=session_id, token_ids=tokens, features=features)))
 
-    def step(self, session_id: str, step: int, committed: list[int], bonus: int, position: int,
+    def step(self, session_id: str, step: int, committed: list[int], root: int, position: int,
              features: common_pb2.Tensor | None = None) -> None:
         self.inbox.put_nowait(drafter_pb2.DrafterRequest(step=drafter_pb2.DrafterStep(
-            session_id=session_id, step=step, committed_token_ids=committed, root_token_id=bonus,
+            session_id=session_id, step=step, committed_token_ids=committed, root_token_id=root,
             position=position, tree_budget=8, features=features)))
 
     def release(self) -> None:
@@ -84,8 +84,8 @@ async def settle() -> None:
 def reference_tree(history: list[int]) -> tuple[int, ...]:
     """The n-gram tree under history[-1], drafted in process."""
     drafter = NgramDrafter()
-    drafter.open("s", history[:-1], None, 0)
-    return drafter.draft([StepRequest("s", 0, [], None, history[-1], len(history) - 1, 8)])[0].tokens
+    drafter.open("s", DrafterSeed(history[:-1], None, 0))
+    return drafter.draft([DraftStep("s", 0, [], None, history[-1], len(history) - 1, 8)])[0].tokens
 
 
 def error_code(reply: drafter_pb2.DrafterReply) -> grpc.StatusCode:
@@ -220,9 +220,9 @@ def test_the_verifier_pool_drafts_over_grpc_and_its_sessions_close_with_the_stre
             await pool.refresh()
             pool.attach("s", lambda: PROMPT, None)
             history = list(PROMPT)
-            for step, (committed, bonus) in enumerate([([], 5), ([5], 6), ([6], 7)]):
-                tree = await pool.draft("s", step, committed, None, bonus, len(PROMPT) + max(0, step - 1), 8)
-                history.append(bonus)
+            for step, (committed, root) in enumerate([([], 5), ([5], 6), ([6], 7)]):
+                tree = await pool.draft(DraftStep("s", step, committed, None, root, len(PROMPT) + max(0, step - 1), 8))
+                history.append(root)
                 assert tree.tokens == reference_tree(history)
             assert SCHEDULER not in {name for name, _ in drafter.batches} and len(drafter.batches) == 3
             assert servicer.open_ids == {"s"}

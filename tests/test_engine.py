@@ -12,10 +12,10 @@ from modeling.graph_capture import buckets
 from modeling.tree import DraftTree, TreeError
 from tests.engine_helpers import GREEDY, make_engine, plain_generate, random_tree, run_to_end
 from verifier_service.engine.cuda_graphs import Buckets
-from verifier_service.engine.errors import CapacityError, InvalidRequest, PrefillStopped
 from verifier_service.engine.sampling import SamplingParams
 from verifier_service.engine.stopping import StopReason
 from verifier_service.engine.verify_batch import BlockSpec, build_verify_batch
+from verifier_service.errors import CapacityError, InvalidArgument, PrefillStopped
 
 BACKENDS = [pytest.param({}, id="torch-cpu"),
             pytest.param({"device": "cuda", "attention": "triton"}, id="triton-cuda-graphs", marks=pytest.mark.gpu),
@@ -133,16 +133,16 @@ def test_prompt_over_capacity_is_refused_without_leaks(new_engine) -> None:
 
 def test_prompt_errors_name_the_field(new_engine) -> None:
     engine = new_engine(max_context=64)
-    with pytest.raises(InvalidRequest, match="prompt"):
+    with pytest.raises(InvalidArgument, match="prompt"):
         engine.create_session([])
-    with pytest.raises(InvalidRequest, match="max_context"):
+    with pytest.raises(InvalidArgument, match="max_context"):
         engine.create_session(prompt_of(65))
-    with pytest.raises(InvalidRequest, match="vocabulary"):
+    with pytest.raises(InvalidArgument, match="vocabulary"):
         engine.create_session([1, 2, 999])
     for bad, field in [(dict(temperature=-1.0), "temperature"), (dict(top_p=0.0), "top_p"),
                        (dict(top_k=-3), "top_k"), (dict(max_new_tokens=0), "max_new_tokens")]:
         session, _ = engine.create_session([1, 2, 3])
-        with pytest.raises(InvalidRequest, match=field):
+        with pytest.raises(InvalidArgument, match=field):
             engine.start_generation(session.session_id, SamplingParams(**bad))
 
 

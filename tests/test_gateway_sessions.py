@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.auth import ApiKeys, Unauthenticated, key_digest
-from gateway.sessions import SessionForbidden, SessionNotFound, SessionRegistry, TooManySessions
+from gateway.auth import ApiKeys, key_digest
+from gateway.errors import SessionForbidden, SessionNotFound, TooManySessions, Unauthenticated
+from gateway.sessions import SessionRegistry
 
 TTL = 60.0
 

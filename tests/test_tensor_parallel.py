@@ -29,8 +29,9 @@ from modeling.tiny import random_weights
 from proto import common_pb2, verifier_pb2, verifier_pb2_grpc
 from tests.engine_helpers import causal_attention, make_engine, plain_generate
 from verifier_service.engine.sampling import SamplingParams
+from verifier_service.errors import EngineDown
 from verifier_service.metrics import VerifierMetrics
-from verifier_service.service import EngineDown, VerifierService
+from verifier_service.service import VerifierService
 
 # 8 KV heads, 16 query heads: N = 3 and N = 7 give uneven shards (3/3/2 and 2/1/1/1/1/1/1 KV groups).
 WIDE = {"architectures": ["Qwen3ForCausalLM"], "vocab_size": 320, "hidden_size": 64, "intermediate_size": 100,

@@ -9,6 +9,7 @@ import time
 
 import grpc
 
+from modeling.speculation import DraftStep
 from modeling.tree import DraftTree
 from proto import drafter_pb2, drafter_pb2_grpc
 from tests.engine_helpers import GREEDY, make_engine, plain_generate
@@ -111,7 +112,7 @@ def test_a_replica_that_never_answers_costs_one_timeout_then_is_probed() -> None
         waits = []
         for step in range(3):
             started = time.perf_counter()
-            assert await pool.draft("s", step, [], None, 4, 3, 15) is None
+            assert await pool.draft(DraftStep("s", step, [], None, 4, 3, 15)) is None
             waits.append(time.perf_counter() - started)
         assert waits[0] >= 0.3 and max(waits[1:]) < 0.1, waits
         assert metrics.drafter_stalls._value.get() == 1
@@ -120,7 +121,7 @@ def test_a_replica_that_never_answers_costs_one_timeout_then_is_probed() -> None
         await asyncio.sleep(1.0)
         assert link.healthy and pool.usable_links() == [link]
         started = time.perf_counter()
-        assert await pool.draft("s", 3, [], None, 4, 3, 15) is None  # waits again: it is in use once more
+        assert await pool.draft(DraftStep("s", 3, [], None, 4, 3, 15)) is None  # waits again: it is in use once more
         assert time.perf_counter() - started >= 0.3
         await pool.stop()
         await server.stop(None)
@@ -230,7 +231,7 @@ def test_a_replica_whose_stream_stopped_taking_requests_is_stalled_not_queued_to
         for _ in range(4):
             link.send(drafter_pb2.DrafterRequest())
         started = time.perf_counter()
-        assert await pool.draft("s", 0, [], None, 4, 3, 15) is None
+        assert await pool.draft(DraftStep("s", 0, [], None, 4, 3, 15)) is None
         assert time.perf_counter() - started < 0.5 and link.outbox.qsize() == 4
         assert not link.healthy and metrics.drafter_stalls._value.get() == 1
         await pool.stop()

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import grpc
 import torch
 
+from modeling.speculation import DraftStep, drafter_seed
 from modeling.tree import DraftTree
 from proto import drafter_pb2, drafter_pb2_grpc
 from proto.tensors import to_proto
@@ -291,15 +292,11 @@ class DrafterPool:
         old, link = state.link, links[next(self.round_robin) % len(links)]
         if old is not None and old is not link:
             self._forget_mirror(old, session_id)
-        tokens = state.tokens()
-        uses_features = bool(self.info and self.info.feature_dim)
-        if uses_features and self.window is not None:
-            tokens = tokens[-self.window:]
-        features = state.features if uses_features else None
+        seed = drafter_seed(state.tokens(), state.features, bool(self.info and self.info.feature_dim), self.window)
         try:
             link.send(drafter_pb2.DrafterRequest(open=drafter_pb2.DrafterOpen(
-                session_id=session_id, token_ids=tokens, features=to_proto(features),
-                start_position=len(state.tokens()) - len(tokens))))
+                session_id=session_id, token_ids=seed.tokens, features=to_proto(seed.features),
+                start_position=seed.start_position)))
         except asyncio.QueueFull:
             self._stalled(link)
             return False
@@ -308,21 +305,22 @@ class DrafterPool:
             self.metrics.reseeds.inc()
         return True
 
-    async def draft(self, session_id: str, step: int, committed: list[int], features: torch.Tensor | None,
-                    bonus: int, position: int, budget: int) -> DraftTree | None:
-        """The tree under `bonus` for this step, or None (no replica, timeout, error)."""
-        self.add_features(session_id, features)
+    async def draft(self, step: DraftStep) -> DraftTree | None:
+        """The tree under `step.root`, or None (no replica, timeout, error)."""
+        session_id = step.session_id
+        self.add_features(session_id, step.features)
         state = self.sessions[session_id]
         if state.link is None or not state.link.usable():
             if not self._seed(session_id, state):
                 return None
-            committed, features, position = [], None, position + len(committed)  # the seed holds them
+            step = step.after_seed()
         link = state.link
         request = drafter_pb2.DrafterRequest(step=drafter_pb2.DrafterStep(
-            session_id=session_id, step=step, committed_token_ids=committed, features=to_proto(features),
-            root_token_id=bonus, position=position, tree_budget=budget))
+            session_id=session_id, step=step.step, committed_token_ids=step.committed,
+            features=to_proto(step.features), root_token_id=step.root, position=step.position,
+            tree_budget=step.budget))
         try:
-            reply = await link.ask(session_id, step, request, self.timeout_s)
+            reply = await link.ask(session_id, step.step, request, self.timeout_s)
         except (asyncio.TimeoutError, asyncio.QueueFull):
             self._stalled(link)  # NOTE: the link stays recorded, so the next step re-seeds and counts it
             return None

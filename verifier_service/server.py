@@ -8,19 +8,8 @@ import logging
 import sys
 from pathlib import Path
 
-from grpc_health.v1 import health, health_pb2
-
 from proto import verifier_pb2, verifier_pb2_grpc
-from proto.serving import (
-    add_health_and_reflection,
-    bind,
-    channel_options,
-    mark_serving,
-    new_server,
-    run_service,
-    server_options,
-    wait_for_termination_signal,
-)
+from proto.serving import ServiceServer, channel_options, server_options, service_main
 from verifier_service.drafter_pool import DrafterPool
 from verifier_service.engine.config import EngineConfig
 from verifier_service.engine.engine import Engine
@@ -30,6 +19,7 @@ from verifier_service.servicer import VerifierServicer
 from verifier_service.tensor_parallel import TensorParallelGroup
 
 SERVICE_NAME = verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ddtree-verifier", description="the verifier service")
@@ -69,14 +59,12 @@ def engine_config(args: argparse.Namespace, checkpoint_dtype: str) -> EngineConf
                         cuda_graphs=not args.no_cuda_graphs)
 
 
-async def fail_when_a_rank_fails(group: TensorParallelGroup, service: VerifierService,
-                                 health_servicer: health.aio.HealthServicer) -> None:
+async def fail_when_a_rank_fails(group: TensorParallelGroup, service: VerifierService, server: ServiceServer) -> None:
     """The watchdog: a dead rank makes the service NOT_SERVING and fails its requests with UNAVAILABLE."""
     reason = await group.wait_for_failure()
     logging.error("%s: the verifier stops serving", reason)
     service.fail(reason)
-    for name in ("", SERVICE_NAME):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    await server.set_serving(False)
     group.abort()
 
 
@@ -97,21 +85,16 @@ async def serve(args: argparse.Namespace) -> None:
     service = VerifierService(engine, drafters, metrics, tree_budget=args.tree_budget, inline_steps=group is None,
                               lease_s=args.session_lease_s)
 
-    server = new_server(server_options())
-    verifier_pb2_grpc.add_VerifierServicer_to_server(VerifierServicer(service, Path(args.target).name), server)
-    health_servicer = add_health_and_reflection(server, [SERVICE_NAME])
-    port = bind(server, args.listen)
+    server = ServiceServer(SERVICE_NAME, verifier_pb2_grpc.add_VerifierServicer_to_server,
+                           VerifierServicer(service, Path(args.target).name), args.listen, server_options())
     if args.metrics_port:
         metrics.serve(args.metrics_port, args.metrics_addr)
     await service.start()
     await server.start()
-    await mark_serving(health_servicer, [SERVICE_NAME])
     if group:
-        watchdog = asyncio.create_task(fail_when_a_rank_fails(group, service, health_servicer))
-    logging.info("verifier listening on port %d", port)
-    await wait_for_termination_signal()
-    await health_servicer.enter_graceful_shutdown()
-    await server.stop(grace=2.0)
+        watchdog = asyncio.create_task(fail_when_a_rank_fails(group, service, server))
+    logging.info("verifier listening on port %d", server.port)
+    await server.serve_until_signal(grace_s=2.0)
     await service.stop()
     if group:
         watchdog.cancel()
@@ -119,10 +102,7 @@ async def serve(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s verifier %(levelname)s %(message)s")
-    return run_service(parser.prog, lambda: serve(args))
+    return service_main(build_parser(), serve, argv, "verifier")
 
 
 if __name__ == "__main__":

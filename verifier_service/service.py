@@ -13,13 +13,14 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
+from modeling.speculation import StepCursor, feature_tail
 from modeling.tree import DraftTree, TreeError
 from verifier_service.batcher import StepBatcher
 from verifier_service.drafter_pool import DrafterPool
 from verifier_service.engine.engine import Engine, StepResult
-from verifier_service.engine.errors import InvalidRequest
 from verifier_service.engine.sampling import SamplingParams
 from verifier_service.engine.session import Session
+from verifier_service.errors import EngineDown, SessionBusy
 from verifier_service.leases import SessionLeases
 from verifier_service.metrics import VerifierMetrics
 from verifier_service.worker import EngineWorker
@@ -27,14 +28,6 @@ from verifier_service.worker import EngineWorker
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-
-class EngineDown(RuntimeError):
-    """The engine can no longer run (a tensor-parallel rank died): UNAVAILABLE, retry elsewhere."""
-
-
-class SessionBusy(RuntimeError):
-    """The session already has a generation running (FAILED_PRECONDITION)."""
 
 
 # NOTE: a lease renewed every second by the gateway; a dead gateway's sessions go after this long.
@@ -152,10 +145,8 @@ class VerifierService:
     # ---- session operations --------------------------------------------------------------------------
 
     def _feature_tail(self) -> int:
-        """How many recent tokens' features a drafter needs (0 when it uses none)."""
-        if not self.engine.feature_layers:
-            return 0
-        return (self.drafters.window if self.drafters else None) or self.engine.max_context
+        window = self.drafters.window if self.drafters else None
+        return feature_tail(bool(self.engine.feature_layers), window, self.engine.max_context)
 
     async def create_session(self, prompt: list[int]) -> Session:
         session_id = secrets.token_hex(8)
@@ -247,24 +238,23 @@ class VerifierService:
                 await self._release(session_id)
 
     async def _steps(self, session: Session) -> AsyncIterator[StepEvent]:
-        committed, features, position = [], None, session.kv_len
-        for step in range(1 << 62):
+        cursor = StepCursor(session.session_id, session.kv_len)
+        while True:
             started = time.perf_counter()
-            tree = await self._draft(session, step, committed, features, position)
+            tree = await self._draft(cursor, session.root)
             drafted = time.perf_counter()
             result = await self._engine_work(functools.partial(self.batcher.submit, session.session_id, tree))
             verified = time.perf_counter()
             self._count(result, len(tree), verified - drafted)
-            yield StepEvent(step, result, len(tree), drafted - started, verified - drafted)
+            yield StepEvent(cursor.step, result, len(tree), drafted - started, verified - drafted)
             if result.finished:
                 return
-            committed, features, position = result.committed, result.features, result.commit_start
+            cursor.advance(result.committed, result.features, result.commit_start)
 
-    async def _draft(self, session: Session, step: int, committed: list[int], features, position: int) -> DraftTree:
+    async def _draft(self, cursor: StepCursor, root: int) -> DraftTree:
         if self.drafters is None:
             return DraftTree.empty()
-        tree = await self.drafters.draft(session.session_id, step, committed, features, session.root, position,
-                                         self.tree_budget)
+        tree = await self.drafters.draft(cursor.draft_step(root, self.tree_budget))
         if tree is None:
             self.metrics.draft_misses.inc()
             return DraftTree.empty()
@@ -282,5 +272,3 @@ class VerifierService:
         self.metrics.acceptance.observe(result.acceptance_length)
         self.metrics.step_seconds.observe(verify_s)
 
-
-__all__ = ["EngineDown", "InvalidRequest", "SessionBusy", "StepEvent", "VerifierService"]

@@ -3,34 +3,27 @@
 from __future__ import annotations
 
 import asyncio
-import functools
-import inspect
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import TypeVar
 
 import grpc
 
-from modeling.tree import TreeError
 from proto import common_pb2, verifier_pb2, verifier_pb2_grpc
-from verifier_service.engine.errors import CapacityError, InvalidRequest, PrefillStopped
+from proto.status import maps_status
 from verifier_service.engine.sampling import SamplingParams
 from verifier_service.engine.session import Session
 from verifier_service.engine.stopping import StopReason
-from verifier_service.service import EngineDown, SessionBusy, StepEvent, VerifierService
+from verifier_service.service import StepEvent, VerifierService
 
 T = TypeVar("T")
 
 DEFAULT_MAX_NEW_TOKENS = 256
 
-STATUS_OF = (
-    (EngineDown, grpc.StatusCode.UNAVAILABLE),
-    (PrefillStopped, grpc.StatusCode.CANCELLED),
-    (SessionBusy, grpc.StatusCode.FAILED_PRECONDITION),
-    (CapacityError, grpc.StatusCode.RESOURCE_EXHAUSTED),
-    ((InvalidRequest, TreeError, ValueError), grpc.StatusCode.INVALID_ARGUMENT),
-    (KeyError, grpc.StatusCode.NOT_FOUND),
-)
+# NOTE: the verifier's own errors name their status (verifier_service/errors.py); a stray ValueError (a bad
+# tree, a bad field deep in the engine) is the caller's fault, and a stray KeyError an unknown session.
+maps_errors = maps_status(fallbacks=((ValueError, grpc.StatusCode.INVALID_ARGUMENT),
+                                     (KeyError, grpc.StatusCode.NOT_FOUND)))
 
 STOP_REASONS = {
     StopReason.LENGTH: common_pb2.STOP_REASON_LENGTH,
@@ -43,38 +36,6 @@ STOP_REASONS = {
 # here instead of letting finished steps (and their features) pile up. Roomy: a write that lags a step or
 # two behind (the gateway's loop was busy) must not stall the drafting of the next steps.
 RUN_AHEAD_STEPS = 16
-
-
-def _status(error: Exception) -> grpc.StatusCode:
-    for kinds, code in STATUS_OF:
-        if isinstance(error, kinds):
-            return code
-    return grpc.StatusCode.INTERNAL
-
-
-def _message(error: Exception) -> str:
-    return error.args[0] if isinstance(error, KeyError) and error.args else str(error)
-
-
-def maps_errors(method: Callable) -> Callable:
-    """Domain exceptions -> status codes, for unary and server-streaming handlers alike."""
-    if inspect.isasyncgenfunction(method):
-        @functools.wraps(method)
-        async def stream(self, request, context):
-            try:
-                async for reply in method(self, request, context):
-                    yield reply
-            except Exception as error:  # noqa: BLE001 - the one place errors become statuses
-                await context.abort(_status(error), _message(error))
-        return stream
-
-    @functools.wraps(method)
-    async def unary(self, request, context):
-        try:
-            return await method(self, request, context)
-        except Exception as error:  # noqa: BLE001
-            await context.abort(_status(error), _message(error))
-    return unary
 
 
 def params_from_pb(params: common_pb2.SamplingParams) -> SamplingParams:
@@ -92,7 +53,7 @@ def params_from_pb(params: common_pb2.SamplingParams) -> SamplingParams:
 
 async def run_ahead(events: AsyncIterator[T], limit: int = RUN_AHEAD_STEPS) -> AsyncIterator[T]:
     """The events of `events`, produced by a task of their own: the next step starts while the stream still
-    writes this one (a write waits for the transport, ~0.1-0.3 ms that would sit inside every step), at most
+    writes this one (a write waits for the transport, and that wait would otherwise sit inside every step), at most
     `limit` events ahead. Closing this iterator cancels the producer and waits for it, so its cleanup has run
     when we return."""
     queue: asyncio.Queue = asyncio.Queue()

@@ -35,7 +35,7 @@ from verifier_service.engine.config import EngineConfig
 from verifier_service.engine.engine import Engine, checkpoint_tokenizer
 from verifier_service.engine.kv_cache import KVCache
 from verifier_service.engine.verify_batch import BlockSpec
-from verifier_service.service import EngineDown
+from verifier_service.errors import EngineDown
 
 T = TypeVar("T")
 

@@ -27,8 +27,8 @@ class EngineWorker:
 
     async def step_call(self, fn: Callable[..., T], *args, **kwargs) -> T:
         """`call` for a verify step that nothing else on the loop waits on (the caller knows): when no engine
-        work is queued or running, run it right here. The hop to the thread and back costs ~0.1-0.3 ms of
-        every step (measured), and nothing else can use the engine meanwhile."""
+        work is queued or running, run it right here: the hop to the thread and back would sit inside every
+        step, and nothing else can use the engine meanwhile."""
         if self.inline_steps and (self.last is None or self.last.done()):
             return fn(*args, **kwargs)
         return await self.call(fn, *args, **kwargs)

@@ -1,4 +1,4 @@
-"""Walking the draft tree with the target's choices (DESIGN.md section 5)."""
+"""Walking the draft tree with the target's choices (docs/design.md section 5)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ def accept_path(tree: DraftTree, target_tokens: list[int]) -> tuple[list[int], i
     """target_tokens[0] is the target's token at the root, target_tokens[i + 1] at node i.
 
     From the root, move to the child whose token equals the target's token at the current node, while
-    one exists. Returns the accepted node indices (root excluded) and the bonus token: the target's token
+    one exists. Returns the accepted node indices (root excluded) and the next root: the target's token
     at the last accepted node. Each emitted token is the target's own choice, hence exact.
     """
     children: dict[tuple[int, int], int] = {}

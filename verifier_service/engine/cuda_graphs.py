@@ -1,9 +1,10 @@
 """The engine's forward captured as CUDA graphs, one per (sessions, tokens) bucket, replayed every step.
 
-An eager forward of a 36-layer model launches ~500 kernels and costs the host tens of milliseconds, far
-more than the GPU work of a decode step. A replay costs one launch. Every launch shape inside the graph
-comes from the bucket alone: the attention kernels split each sequence's prefix on the device (any
-length up to `max_context`), and positions and ancestor masks are built on the device from parent rows.
+An eager forward launches every op of every layer from the host, and those launches cost more than the GPU
+work of a decode step (benchmarks/results/e2e_step.md: 'eager verify' against 'verify'). A replay costs one
+launch. Every launch shape inside the graph comes from the bucket alone: the attention kernels split each
+sequence's prefix on the device (any length up to `max_context`), and positions and ancestor masks are built
+on the device from parent rows.
 The host writes tokens, parent rows, prefix lengths, block starts and block tables into one pinned buffer
 and uploads it with one copy; nothing in the step waits for the GPU.
 """

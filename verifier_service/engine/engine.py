@@ -19,13 +19,13 @@ from verifier_service.engine.acceptance import accept_path
 from verifier_service.engine.attention import PagedVerifyAttention, make_backend
 from verifier_service.engine.block_table import BlockTable
 from verifier_service.engine.config import EngineConfig
-from verifier_service.engine.errors import CapacityError, InvalidRequest, PrefillStopped
 from verifier_service.engine.kv_cache import KVCache, TreeScratch
 from verifier_service.engine.page_pool import PagePool
 from verifier_service.engine.sampling import SamplingParams, choose_tokens
 from verifier_service.engine.session import Generation, Session
 from verifier_service.engine.stopping import StopChecker, StopReason
 from verifier_service.engine.verify_batch import BlockSpec, VerifyBatch, build_verify_batch
+from verifier_service.errors import CapacityError, InvalidArgument, PrefillStopped, SessionNotFound
 
 
 def _never() -> bool:
@@ -36,7 +36,7 @@ def _never() -> bool:
 class StepResult:
     session_id: str
     accepted: list[int]  # draft tokens the target accepted (the root excluded)
-    emitted: list[int]  # tokens for the client: accepted + bonus, cut at a stop
+    emitted: list[int]  # tokens for the client: accepted + the next root, cut at a stop
     commit_start: int  # KV position of committed[0]
     committed: list[int]  # tokens this step put into the KV (root + accepted, cut at a stop)
     features: torch.Tensor | None  # [len(committed), F] target hidden features for the drafter
@@ -44,7 +44,7 @@ class StepResult:
 
     @property
     def acceptance_length(self) -> int:
-        """Tokens this verify step produced: accepted drafts plus the bonus token."""
+        """Tokens this verify step produced: accepted drafts plus the target's own next token."""
         return len(self.accepted) + 1
 
 
@@ -104,7 +104,7 @@ class Engine:
 
     def session(self, session_id: str) -> Session:
         if session_id not in self.sessions:
-            raise KeyError(f"unknown session {session_id!r}")
+            raise SessionNotFound(f"unknown session {session_id!r}")
         return self.sessions[session_id]
 
     def create_session(self, prompt: list[int], session_id: str | None = None, feature_tail: int = 0,
@@ -114,9 +114,9 @@ class Engine:
         stays allocated."""
         session_id = session_id or secrets.token_hex(8)
         if session_id in self.sessions:
-            raise InvalidRequest(f"session_id {session_id!r} already exists")
+            raise InvalidArgument(f"session_id {session_id!r} already exists")
         if not prompt:
-            raise InvalidRequest("prompt must contain at least one token")
+            raise InvalidArgument("prompt must contain at least one token")
         session = Session(session_id, [], BlockTable(self.pool, self.config.page_size))
         features = self._extend(session, prompt, feature_tail, should_stop)
         self.sessions[session_id] = session
@@ -126,7 +126,7 @@ class Engine:
                        should_stop: Callable[[], bool] = _never) -> torch.Tensor | None:
         """Append a new turn; on error (PrefillStopped included) the session is unchanged."""
         if not tokens:
-            raise InvalidRequest("tokens must contain at least one token")
+            raise InvalidArgument("tokens must contain at least one token")
         return self._extend(self.session(session_id), tokens, feature_tail, should_stop)
 
     def fork_session(self, session_id: str, new_id: str | None = None) -> Session:
@@ -134,7 +134,7 @@ class Engine:
         source = self.session(session_id)
         new_id = new_id or secrets.token_hex(8)
         if new_id in self.sessions:
-            raise InvalidRequest(f"session_id {new_id!r} already exists")
+            raise InvalidArgument(f"session_id {new_id!r} already exists")
         fork = Session(new_id, list(source.tokens), source.block_table.fork())
         self.sessions[new_id] = fork
         return fork
@@ -148,9 +148,9 @@ class Engine:
         params.validate()
         for token in params.stop_token_ids:
             if token >= self.model_config.vocab_size:
-                raise InvalidRequest(f"stop_token_ids contains {token}, outside the vocabulary")
+                raise InvalidArgument(f"stop_token_ids contains {token}, outside the vocabulary")
         if params.stop_strings and self.tokenizer is None:
-            raise InvalidRequest("stop_strings need a tokenizer; the checkpoint has none")
+            raise InvalidArgument("stop_strings need a tokenizer; the checkpoint has none")
         generator = None
         if not params.greedy:
             seed = params.seed if params.seed is not None else secrets.randbits(63)
@@ -166,10 +166,10 @@ class Engine:
         vocab = self.model_config.vocab_size
         bad = next((t for t in new_tokens if not 0 <= t < vocab), None)
         if bad is not None:
-            raise InvalidRequest(f"prompt token {bad} is outside the vocabulary [0, {vocab})")
+            raise InvalidArgument(f"prompt token {bad} is outside the vocabulary [0, {vocab})")
         tokens = session.tokens + new_tokens
         if len(tokens) > self.max_context:
-            raise InvalidRequest(f"prompt of {len(tokens)} tokens exceeds max_context {self.max_context}")
+            raise InvalidArgument(f"prompt of {len(tokens)} tokens exceeds max_context {self.max_context}")
         start, end = session.kv_len if session.tokens else 0, len(tokens) - 1
         if not self.pool.can_allocate(session.block_table.pages_needed(start, end)):
             raise CapacityError(f"KV cache full: a prompt of {len(tokens)} tokens does not fit "
@@ -226,12 +226,12 @@ class Engine:
     def _check_tree(self, session: Session, tree: DraftTree) -> DraftTree:
         tree.validate(self.model_config.vocab_size, self.config.max_tree_nodes)
         if session.generation is None:
-            raise InvalidRequest("the session has no generation in progress")
+            raise InvalidArgument("the session has no generation in progress")
         room = self.max_context - len(session.tokens)
         if room < 1:
-            raise InvalidRequest(f"the session holds {len(session.tokens)} tokens: the model's context of "
+            raise InvalidArgument(f"the session holds {len(session.tokens)} tokens: the model's context of "
                                  f"{self.max_context} is full")
-        return tree.truncated(room - 1)  # NOTE: the bonus token needs one position too
+        return tree.truncated(room - 1)  # NOTE: the next root needs one position too
 
     def _targets(self, hidden: torch.Tensor, generations: list[Generation], offsets: list[int]) -> list[list[int]]:
         """The target's own token at every verify row, per session (rows offsets[i]:offsets[i + 1])."""
@@ -245,10 +245,10 @@ class Engine:
         and all pages reserved before anything runs: on error no session changes."""
         sessions = [self.session(sid) for sid, _ in work]
         if len({s.session_id for s in sessions}) != len(sessions):
-            raise InvalidRequest("a session appears twice in one step")
+            raise InvalidArgument("a session appears twice in one step")
         trees = [self._check_tree(s, tree) for s, (_, tree) in zip(sessions, work)]
         if sum(len(t) + 1 for t in trees) > self.config.max_batch_tokens:
-            raise InvalidRequest(f"the step's trees exceed max_batch_tokens {self.config.max_batch_tokens}")
+            raise InvalidArgument(f"the step's trees exceed max_batch_tokens {self.config.max_batch_tokens}")
         spans = [(s.kv_len, s.kv_len + t.max_depth() + 1) for s, t in zip(sessions, trees)]
         needed = sum(s.block_table.pages_needed(a, b) for s, (a, b) in zip(sessions, spans))
         if not self.pool.can_allocate(needed):
@@ -264,8 +264,8 @@ class Engine:
         results, src_rows, dst_slots = [], [], []
         for s, tree, lo, session_targets in zip(sessions, trees, offsets, targets):
             generation = s.generation
-            path, bonus = accept_path(tree, session_targets)
-            emitted, reason = generation.stop.feed([tree.tokens[i] for i in path] + [bonus])
+            path, next_root = accept_path(tree, session_targets)
+            emitted, reason = generation.stop.feed([tree.tokens[i] for i in path] + [next_root])
             # NOTE: KV keeps tokens[:-1], so the root and all emitted tokens but the last are committed.
             rows = [lo] + [lo + 1 + i for i in path[: len(emitted) - 1]]
             start = s.kv_len

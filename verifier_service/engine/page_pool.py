@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from verifier_service.engine.errors import CapacityError
+from verifier_service.errors import CapacityError
 
 
 class PagePool:

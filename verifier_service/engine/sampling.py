@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from verifier_service.engine.errors import InvalidRequest
+from verifier_service.errors import InvalidArgument
 
 MAX_TOP_K = 1 << 20
 MAX_NEW_TOKENS = 1 << 20
@@ -25,17 +25,17 @@ class SamplingParams:
 
     def validate(self) -> None:
         if not 0.0 <= self.temperature <= 100.0:
-            raise InvalidRequest(f"temperature must be in [0, 100], got {self.temperature}")
+            raise InvalidArgument(f"temperature must be in [0, 100], got {self.temperature}")
         if not 0 <= self.top_k <= MAX_TOP_K:
-            raise InvalidRequest(f"top_k must be in [0, {MAX_TOP_K}], got {self.top_k}")
+            raise InvalidArgument(f"top_k must be in [0, {MAX_TOP_K}], got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
-            raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p}")
+            raise InvalidArgument(f"top_p must be in (0, 1], got {self.top_p}")
         if not 1 <= self.max_new_tokens <= MAX_NEW_TOKENS:
-            raise InvalidRequest(f"max_new_tokens must be in [1, {MAX_NEW_TOKENS}], got {self.max_new_tokens}")
+            raise InvalidArgument(f"max_new_tokens must be in [1, {MAX_NEW_TOKENS}], got {self.max_new_tokens}")
         if any(t < 0 for t in self.stop_token_ids):
-            raise InvalidRequest("stop_token_ids must be non-negative")
+            raise InvalidArgument("stop_token_ids must be non-negative")
         if any(not s for s in self.stop_strings):
-            raise InvalidRequest("stop_strings must not contain empty strings")
+            raise InvalidArgument("stop_strings must not contain empty strings")
 
     @property
     def greedy(self) -> bool:
