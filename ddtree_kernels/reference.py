@@ -40,19 +40,12 @@ def pack_tree_mask(mask: torch.Tensor) -> torch.Tensor:
     return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
 
 
-def verify_attention_reference(
-    q: torch.Tensor,  # [N, Hq, D]
-    k_pages: torch.Tensor,  # [num_pages, P, Hkv, D]
-    v_pages: torch.Tensor,  # [num_pages, P, Hkv, D]
-    block_tables: torch.Tensor,  # [B, max_pages] int32
-    prefix_lens: torch.Tensor,  # [B] int32
-    tree_k: torch.Tensor,  # [N, Hkv, D]
-    tree_v: torch.Tensor,  # [N, Hkv, D]
-    cu_tree: torch.Tensor,  # [B + 1] int32
-    tree_mask: torch.Tensor,  # [N, W] int32
-    sm_scale: float,
-) -> torch.Tensor:  # [N, Hq, D]
-    """Each tree row attends to its whole prefix plus the tree tokens its mask allows (fp32 math)."""
+def verify_attention_reference(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
+                               block_tables: torch.Tensor, prefix_lens: torch.Tensor, tree_k: torch.Tensor,
+                               tree_v: torch.Tensor, cu_tree: torch.Tensor, tree_mask: torch.Tensor,
+                               sm_scale: float) -> torch.Tensor:
+    """Each tree row attends to its whole prefix plus the tree tokens its mask allows (fp32 math). The
+    arguments and shapes are `verify_attention.hybrid_verify_attention`'s, without its launch bounds."""
     out = torch.empty_like(q)
     group = q.shape[1] // k_pages.shape[2]
     for b in range(block_tables.shape[0]):
@@ -72,15 +65,10 @@ def verify_attention_reference(
     return out
 
 
-def commit_kv_reference(
-    k_pages: torch.Tensor,  # [L, num_pages, P, Hkv, D]
-    v_pages: torch.Tensor,  # [L, num_pages, P, Hkv, D]
-    tree_k: torch.Tensor,  # [L, N, Hkv, D]
-    tree_v: torch.Tensor,  # [L, N, Hkv, D]
-    src_rows: torch.Tensor,  # [M] rows of the tree scratch
-    dst_slots: torch.Tensor,  # [M] flat slots: page * P + offset
-) -> None:
-    """Copy accepted rows of the tree scratch into their page slots, for every layer."""
+def commit_kv_reference(k_pages: torch.Tensor, v_pages: torch.Tensor, tree_k: torch.Tensor, tree_v: torch.Tensor,
+                        src_rows: torch.Tensor, dst_slots: torch.Tensor) -> None:
+    """Copy accepted rows of the tree scratch into their page slots, for every layer (the arguments and shapes
+    are `commit_kv.commit_kv`'s)."""
     num_layers, num_pages, page_size = k_pages.shape[:3]
     for pages, tree in ((k_pages, tree_k), (v_pages, tree_v)):
         pages.view(num_layers, num_pages * page_size, *pages.shape[3:])[:, dst_slots.long()] = \
