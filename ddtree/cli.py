@@ -13,13 +13,16 @@ from ddtree.local_stack import add_forwarded_options, forwarded_args
 if TYPE_CHECKING:
     from ddtree.offline import OfflineResult
 
+# NOTE: modeling.tiny.TINY_CONFIGS' keys, spelled out: parsing must not import torch (tests/test_cli.py checks).
+TINY_ARCHS = ("deepseek_v2", "deepseek_v3", "glm4_moe_lite", "qwen3")
+
 
 def _make_tiny_model(args: argparse.Namespace) -> None:
     from pathlib import Path
 
     from modeling.tiny import make_tiny_drafter, make_tiny_target
 
-    target = make_tiny_target(Path(args.directory) / "target", seed=args.seed)
+    target = make_tiny_target(Path(args.directory) / "target", seed=args.seed, arch=args.arch)
     drafter = make_tiny_drafter(Path(args.directory) / "dflash", target, seed=args.seed + 1)
     print(f"tiny target: {target}\ntiny DFlash drafter: {drafter}")
 
@@ -139,10 +142,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ddtree", description="DDTree speculative decoding over gRPC")
     commands = parser.add_subparsers(dest="command", required=True)
 
-    tiny = commands.add_parser("make-tiny-model", help="write a small random Qwen3 target (DIR/target) and "
+    tiny = commands.add_parser("make-tiny-model", help="write a small random target (DIR/target) and "
                                "DFlash drafter (DIR/dflash) in HF formats")
     tiny.add_argument("directory")
     tiny.add_argument("--seed", type=int, default=0)
+    tiny.add_argument("--arch", default="qwen3", choices=TINY_ARCHS, help="the target's architecture")
     tiny.set_defaults(run=_make_tiny_model)
 
     offline = commands.add_parser("offline", help="run the whole speculative loop in this process")

@@ -7,6 +7,9 @@ Layout shared with the Triton kernels:
   of `q`, `tree_k`, `tree_v` and `tree_mask`.
 - `tree_mask[r, w]` (int32 words): bit j of word w is set when row r may attend to its sequence's
   tree token `32 * w + j` (ancestors and itself). The whole prefix is always visible.
+- MLA (latent attention): one page pool per layer `[num_pages, P, 1, C]` holds each token's latent entry
+  (normalised latent, then rotated RoPE key: C = kv_lora_rank + rope dim); every head attends over the same
+  entries, and the values are their first kv_lora_rank columns.
 """
 
 from __future__ import annotations
@@ -65,11 +68,53 @@ def verify_attention_reference(q: torch.Tensor, k_pages: torch.Tensor, v_pages: 
     return out
 
 
+def _latent_partial(q: torch.Tensor, entries: torch.Tensor, visible: torch.Tensor | None, sm_scale: float,
+                    value_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of q [T, H, C] over entries [S, C] (fp32) -> output [T, H, value_dim] and its LSE [T, H]
+    (zeros and -inf when there are no entries; a row with entries sees at least one)."""
+    scores = torch.einsum("thc,sc->ths", q, entries) * sm_scale
+    if visible is not None:
+        scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # [T, H]
+    probs = torch.exp(scores - lse[..., None])
+    return torch.einsum("ths,sv->thv", probs, entries[:, :value_dim]), lse
+
+
+def latent_verify_attention_reference(q: torch.Tensor, pages: torch.Tensor, block_tables: torch.Tensor,
+                                      prefix_lens: torch.Tensor, tree_entries: torch.Tensor, cu_tree: torch.Tensor,
+                                      tree_mask: torch.Tensor, sm_scale: float, value_dim: int) -> torch.Tensor:
+    """MLA verify in absorbed form, as the hybrid kernel splits it: each row's attention over its whole prefix
+    (no mask) and over the tree block (its mask), merged by their log-sum-exps (fp32 math).
+
+    q: [N, H, C] absorbed queries; pages: [num_pages, P, 1, C]; tree_entries: [N, C] -> [N, H, value_dim].
+    """
+    out = q.new_empty(*q.shape[:2], value_dim)
+    for b in range(block_tables.shape[0]):
+        lo, hi = int(cu_tree[b]), int(cu_tree[b + 1])
+        if hi == lo:
+            continue
+        rows = q[lo:hi].float()
+        prefix = gather_prefix(pages, block_tables[b], int(prefix_lens[b]))[:, 0].float()
+        visible = unpack_tree_mask(tree_mask[lo:hi], hi - lo)
+        prefix_out, prefix_lse = _latent_partial(rows, prefix, None, sm_scale, value_dim)
+        tree_out, tree_lse = _latent_partial(rows, tree_entries[lo:hi].float(), visible, sm_scale, value_dim)
+        lse = torch.logaddexp(prefix_lse, tree_lse)  # the tree row sees itself: finite
+        out[lo:hi] = (prefix_out * torch.exp(prefix_lse - lse)[..., None]
+                      + tree_out * torch.exp(tree_lse - lse)[..., None]).to(q.dtype)
+    return out
+
+
+def commit_rows_reference(pages: torch.Tensor, rows: torch.Tensor, src_rows: torch.Tensor,
+                          dst_slots: torch.Tensor) -> None:
+    """Copy rows `src_rows` of one scratch tensor `[L, N, ...]` into the page slots `dst_slots` of its pool
+    `[L, num_pages, P, ...]`, in every layer."""
+    num_layers, num_pages, page_size = pages.shape[:3]
+    pages.view(num_layers, num_pages * page_size, *pages.shape[3:])[:, dst_slots.long()] = rows[:, src_rows.long()]
+
+
 def commit_kv_reference(k_pages: torch.Tensor, v_pages: torch.Tensor, tree_k: torch.Tensor, tree_v: torch.Tensor,
                         src_rows: torch.Tensor, dst_slots: torch.Tensor) -> None:
     """Copy accepted rows of the tree scratch into their page slots, for every layer (the arguments and shapes
     are `commit_kv.commit_kv`'s)."""
-    num_layers, num_pages, page_size = k_pages.shape[:3]
     for pages, tree in ((k_pages, tree_k), (v_pages, tree_v)):
-        pages.view(num_layers, num_pages * page_size, *pages.shape[3:])[:, dst_slots.long()] = \
-            tree[:, src_rows.long()]
+        commit_rows_reference(pages, tree, src_rows, dst_slots)

@@ -10,7 +10,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from modeling.config import ModelConfig, parse_dtype
+from modeling.config import ModelConfig, parse_dtype, read_config_json
+from modeling.fp8 import FP8_DTYPES, SCALE_SUFFIX, BlockFP8
 from modeling.rope import RotaryEmbedding
 from modeling.target import CausalLM
 
@@ -34,11 +35,30 @@ TensorPart = Callable[[str], tuple[slice, ...] | None]  # name -> the index of t
 def iter_tensors(path: str | Path, wanted: set[str] | None = None,
                  part: TensorPart | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (name, tensor) from every shard; with `wanted`, only those names (others are never read); with
-    `part`, only the indexed rows or columns of each (a tensor-parallel rank's slice; the rest is never read)."""
+    `part`, only the indexed rows or columns of each (a tensor-parallel rank's slice; the rest is never read).
+    Block-scaled FP8 weights (modeling/fp8.py) come dequantized to fp32 one at a time; their scales, read first
+    (a 1/4096 of the FP8 bytes for 128 x 128 blocks), are never yielded."""
+    fp8 = BlockFP8.from_config(read_config_json(path)) if (Path(path) / "config.json").is_file() else None
+
+    def wants(name: str) -> bool:
+        return wanted is None or name in wanted
+    scales = {} if fp8 is None else dict(_read_tensors(
+        path, lambda name: name.endswith(SCALE_SUFFIX) and wants(name.removesuffix(SCALE_SUFFIX))))
+    for name, tensor in _read_tensors(path, lambda name: wants(name) and name not in scales, part):
+        if tensor.dtype in FP8_DTYPES:
+            if fp8 is None or name + SCALE_SUFFIX not in scales:
+                raise ValueError(f"{name} is stored in {tensor.dtype} without block scales ({name}{SCALE_SUFFIX} "
+                                 "and an fp8 quantization_config in config.json)")
+            tensor = fp8.dequantize(tensor, scales[name + SCALE_SUFFIX], part(name) if part else None)
+        yield name, tensor
+
+
+def _read_tensors(path: str | Path, keep: Callable[[str], bool],
+                  part: TensorPart | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     for file in checkpoint_files(path):
         with safe_open(str(file), framework="pt") as shard:
             for name in shard.keys():
-                if wanted is None or name in wanted:
+                if keep(name):
                     index = part(name) if part else None
                     yield name, shard.get_tensor(name) if index is None else shard.get_slice(name)[index]
 
@@ -53,20 +73,22 @@ def load_causal_lm(path: str | Path, dtype: str | torch.dtype | None = None,
 
 def load_weights(model: CausalLM, path: str | Path, dtype: str | torch.dtype | None = None,
                  device: str | torch.device = "cpu", part: TensorPart | None = None) -> CausalLM:
-    """Fill a model built on the meta device from the checkpoint; `part` as in `iter_tensors`."""
+    """Fill a model built on the meta device from the checkpoint; `part` as in `iter_tensors`. Tensors the model
+    does not hold are never read: rotary buffers some exporters write, DeepSeek-V3's multi-token-prediction layer
+    (shipped as layer index num_hidden_layers)."""
     config = model.config
     dtype = parse_dtype(dtype or config.torch_dtype)
     model.to_empty(device=device)
     model.rotary = RotaryEmbedding(config.rope, config.head_dim).to(device)
     params = dict(model.named_parameters())
+    fp32 = {f"{prefix}.{name}" for prefix, module in model.named_modules() if getattr(module, "keep_fp32", False)
+            for name, _ in module.named_parameters(recurse=False)}  # e.g. MoE routers
     missing = set(params)
-    for name, tensor in iter_tensors(path, part=part):
-        if name not in params:
-            continue  # e.g. rotary inv_freq buffers some exporters write
+    for name, tensor in iter_tensors(path, set(params), part):
         if tensor.shape != params[name].shape:
             raise ValueError(f"{name}: the checkpoint gives {tuple(tensor.shape)}, the model holds "
                              f"{tuple(params[name].shape)}")
-        params[name].data = tensor.to(device=device, dtype=dtype)
+        params[name].data = tensor.to(device=device, dtype=torch.float32 if name in fp32 else dtype)
         missing.discard(name)
         if name == "model.embed_tokens.weight" and config.tie_word_embeddings:
             missing.discard("lm_head.weight")

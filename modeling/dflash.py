@@ -31,7 +31,8 @@ from torch import nn
 
 from modeling.checkpoint import iter_tensors
 from modeling.config import ModelConfig, parse_dtype, read_config_json
-from modeling.layers import DecoderLayer, RMSNorm
+from modeling.decoder import DecoderLayer
+from modeling.layers import RMSNorm
 from modeling.rope import RotaryEmbedding
 
 ARCHITECTURE = "DFlashDraftModel"
@@ -193,7 +194,7 @@ class DFlashModel(nn.Module):
         super().__init__()
         self.config = config
         hidden = config.model.hidden_size
-        self.layers = nn.ModuleList(DecoderLayer(config.model) for _ in range(config.model.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config.model, i) for i in range(config.model.num_layers))
         self.fc = nn.Linear(config.feature_dim, hidden, bias=False)
         self.hidden_norm = RMSNorm(hidden, config.model.rms_norm_eps)
         self.norm = RMSNorm(hidden, config.model.rms_norm_eps)

@@ -30,6 +30,13 @@ class LayerAttention(Protocol):
         directly instead of the caller copying them; None when the caller keeps no such buffer."""
         ...
 
+    def latent(self, layer: int, q: torch.Tensor, entries: torch.Tensor) -> torch.Tensor:
+        """MLA in absorbed form: q [N, H, C] and the cache entries [N, C] of the same N tokens (C = latent_dim)
+        -> [N, H, kv_lora_rank]: softmax(q . entry * ModelConfig.attention_scale) over the visible entries,
+        weighting their first kv_lora_rank columns (the latents). The scale is read from the config, not
+        passed: MLA's differs from 1/sqrt(C)."""
+        ...
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
@@ -82,6 +89,11 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.activation(x))
 
+    def fuse_projections(self) -> None:
+        """gate/up as one GEMM; idempotent (captured CUDA graphs read the weights in place)."""
+        if self.gate_up is None:
+            self.gate_up = FusedLinear(self.gate_proj, self.up_proj)
+
     def activation(self, x: torch.Tensor) -> torch.Tensor:
         """silu(gate(x)) * up(x), from the fused gate/up projection when there is one."""
         if self.gate_up is not None:
@@ -106,6 +118,17 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
         self.qkv: FusedLinear | None = None
+
+    def forward(self, layer: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                attend: LayerAttention) -> torch.Tensor:
+        """x: [N, hidden] normed -> [N, hidden]; `layer` is this layer's index for `attend`."""
+        q, k, v = self.project(x, cos, sin, attend.kv_buffers(layer, x.shape[0]))
+        return self.output(attend(layer, q, k, v))
+
+    def fuse_projections(self) -> None:
+        """Q/K/V as one GEMM; idempotent (captured CUDA graphs read the weights in place)."""
+        if self.qkv is None:
+            self.qkv = FusedLinear(self.q_proj, self.k_proj, self.v_proj)
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, ...]:
@@ -137,30 +160,3 @@ class Attention(nn.Module):
 def norm_rope(x: torch.Tensor, norm: RMSNorm | None, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """The per-head q/k norm (when the model has one) and RoPE; x: [N, H, D]."""
     return row_ops(x).norm_rope(x, None if norm is None else norm.weight, norm.eps if norm else 0.0, cos, sin)
-
-
-class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig):
-        super().__init__()
-        self.self_attn = Attention(config)
-        self.mlp = MLP(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def fuse_projections(self) -> None:
-        """Q/K/V as one GEMM and gate/up as one (for CUDA serving; the CPU path stays op by op).
-        Idempotent: a second call must not move the weights, since captured CUDA graphs read them in place."""
-        attn, mlp = self.self_attn, self.mlp
-        if attn.qkv is not None:
-            return
-        attn.qkv = FusedLinear(attn.q_proj, attn.k_proj, attn.v_proj)
-        mlp.gate_up = FusedLinear(mlp.gate_proj, mlp.up_proj)
-
-    def forward(self, index: int, x: torch.Tensor, pending: torch.Tensor | None, cos: torch.Tensor,
-                sin: torch.Tensor, attend: LayerAttention) -> tuple[torch.Tensor, torch.Tensor]:
-        """The layer's input is `x + pending` (the previous layer's MLP output, None for the first layer);
-        returns the same pair for the next one. Each residual add runs fused into the norm that follows it."""
-        x, h = self.input_layernorm.add_and_norm(x, pending)
-        q, k, v = self.self_attn.project(h, cos, sin, attend.kv_buffers(index, h.shape[0]))
-        x, h = self.post_attention_layernorm.add_and_norm(x, self.self_attn.output(attend(index, q, k, v)))
-        return x, self.mlp(h)

@@ -1,4 +1,5 @@
-"""The target causal LM (Qwen3 / Qwen2 / Llama) over packed tokens of many sequences."""
+"""The target causal LM (Qwen3 / Qwen2 / Llama, or MLA + MoE: DeepSeek-V2/V3, Kimi K2, GLM-4.7-Flash) over
+packed tokens of many sequences."""
 
 from __future__ import annotations
 
@@ -6,7 +7,8 @@ import torch
 from torch import nn
 
 from modeling.config import ModelConfig
-from modeling.layers import DecoderLayer, LayerAttention, RMSNorm
+from modeling.decoder import DecoderLayer
+from modeling.layers import LayerAttention, RMSNorm
 from modeling.rope import RotaryEmbedding
 
 
@@ -16,7 +18,7 @@ class DecoderStack(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 

@@ -1,4 +1,5 @@
-"""Writes a small random Qwen3 target (and byte-level tokenizer) in real Hugging Face file formats.
+"""Writes small random targets (Qwen3, or an MLA + MoE architecture) with a byte-level tokenizer, and DFlash
+drafters for them, in real Hugging Face file formats.
 
 Deterministic for a given seed; used by tests and by the README's first command.
 """
@@ -38,6 +39,31 @@ TINY_TARGET_CONFIG = {
     "torch_dtype": "float32",
     "bos_token_id": 256,
     "eos_token_id": 256,
+}
+
+
+_TINY_MLA = {
+    "vocab_size": 320, "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32,
+    "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 4, "kv_lora_rank": 32,
+    "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16, "n_routed_experts": 8, "n_shared_experts": 1,
+    "num_experts_per_tok": 2, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 8192,
+    "tie_word_embeddings": False, "attention_bias": False, "hidden_act": "silu", "torch_dtype": "float32",
+    "bos_token_id": 256, "eos_token_id": 256,
+}
+# The MLA + MoE families at tiny scale: V2-Lite-like (no q low-rank, softmax routing over groups), V3 / Kimi K2
+# (q low-rank, sigmoid routing with the correction bias over groups), GLM-4.7-Flash.
+TINY_CONFIGS = {
+    "qwen3": TINY_TARGET_CONFIG,
+    "deepseek_v2": {**_TINY_MLA, "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2",
+                    "q_lora_rank": None, "topk_method": "group_limited_greedy", "n_group": 2, "topk_group": 1,
+                    "first_k_dense_replace": 1, "norm_topk_prob": False, "routed_scaling_factor": 1.0},
+    "deepseek_v3": {**_TINY_MLA, "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+                    "q_lora_rank": 48, "n_group": 2, "topk_group": 1, "first_k_dense_replace": 1,
+                    "norm_topk_prob": True, "routed_scaling_factor": 2.5, "rope_interleave": True},
+    "glm4_moe_lite": {**_TINY_MLA, "architectures": ["Glm4MoeLiteForCausalLM"], "model_type": "glm4_moe_lite",
+                      "q_lora_rank": 48, "n_group": 1, "topk_group": 1, "norm_topk_prob": True,
+                      "routed_scaling_factor": 1.8, "rope_interleave": True,
+                      "mlp_layer_types": ["dense", "sparse", "sparse", "sparse"]},
 }
 
 
@@ -84,13 +110,15 @@ QWEN3_06B_SHAPE = {"hidden_size": 1024, "intermediate_size": 3072, "num_hidden_l
                    "max_position_embeddings": 40960, "torch_dtype": "bfloat16"}
 
 
-def make_tiny_target(path: str | Path, seed: int = 0, shape: dict | None = None) -> Path:
-    """Write config.json, two safetensors shards + index, tokenizer.json into `path`. `shape` overrides config
-    fields (a bigger random model with the same byte-level tokenizer, e.g. for GPU benchmarks; its
-    `torch_dtype` is the dtype the weights are saved in)."""
+def make_tiny_target(path: str | Path, seed: int = 0, shape: dict | None = None, arch: str = "qwen3") -> Path:
+    """Write config.json, two safetensors shards + index, tokenizer.json into `path`. `arch` is a key of
+    TINY_CONFIGS; `shape` overrides config fields (a bigger random model with the same byte-level tokenizer,
+    e.g. for GPU benchmarks; its `torch_dtype` is the dtype the weights are saved in)."""
+    if arch not in TINY_CONFIGS:
+        raise ValueError(f"arch must be one of {sorted(TINY_CONFIGS)}, got {arch!r}")
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    raw = {**TINY_TARGET_CONFIG, **(shape or {})}
+    raw = {**TINY_CONFIGS[arch], **(shape or {})}
     (path / "config.json").write_text(json.dumps(raw, indent=2))
     dtype = parse_dtype(raw["torch_dtype"])
     tensors = {name: t.to(dtype) for name, t in random_weights(ModelConfig.from_hf(raw), seed).items()}
@@ -103,7 +131,11 @@ def make_tiny_target(path: str | Path, seed: int = 0, shape: dict | None = None)
 
 def tiny_drafter_config(target: dict, mask_token_id: int) -> dict:
     """A two-layer DFlash drafter config for a tiny target, shaped like the published ones (all layers full
-    attention); the hidden size must be the target's, whose embedding the drafter uses."""
+    attention); the hidden size must be the target's, whose embedding the drafter uses. An MLA target has no
+    GQA shape to copy: its drafter gets 4 heads over 2 KV heads."""
+    if "kv_lora_rank" in target:
+        target = {**target, "num_attention_heads": 4, "num_key_value_heads": 2,
+                  "head_dim": target["hidden_size"] // 4}
     return {
         "architectures": ["DFlashDraftModel"],
         "model_type": "qwen3",

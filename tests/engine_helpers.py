@@ -6,6 +6,7 @@ import random
 
 import torch
 
+from modeling.config import ModelConfig
 from modeling.tree import DraftTree
 from verifier_service.engine.config import EngineConfig
 from verifier_service.engine.engine import Engine, StepResult
@@ -65,17 +66,32 @@ def random_tree(rng: random.Random, budget: int, vocab: int, truth: list[int], s
 
 
 class CausalAttention:
-    """Plain causal attention over one sequence: the model run the way transformers runs it."""
+    """Plain causal attention over one sequence: the model run the way transformers runs it. MLA models need
+    their config (`CausalAttention(config)`): the latent scale and value width are not in the shapes."""
+
+    def __init__(self, config: ModelConfig | None = None):
+        self.config = config
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         group = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
         scores = torch.einsum("thd,shd->hts", q, k) / q.shape[-1] ** 0.5
-        causal = torch.ones(q.shape[0], q.shape[0], dtype=torch.bool, device=q.device).tril()
-        return torch.einsum("hts,shd->thd", scores.masked_fill(~causal, float("-inf")).softmax(-1), v)
+        return torch.einsum("hts,shd->thd", causal_softmax(scores), v)
+
+    def latent(self, layer: int, q: torch.Tensor, entries: torch.Tensor) -> torch.Tensor:
+        if self.config is None or self.config.mla is None:
+            raise ValueError("latent attention needs the MLA model's config: use CausalAttention(config)")
+        scores = torch.einsum("thc,sc->hts", q, entries) * self.config.attention_scale
+        return torch.einsum("hts,sr->thr", causal_softmax(scores), entries[:, :self.config.mla.kv_lora_rank])
 
     def kv_buffers(self, layer: int, num_tokens: int) -> None:
         return None
+
+
+def causal_softmax(scores: torch.Tensor) -> torch.Tensor:
+    """scores: [H, T, T] of one sequence -> each query's softmax over itself and the tokens before it."""
+    causal = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).tril()
+    return scores.masked_fill(~causal, float("-inf")).softmax(-1)
 
 
 causal_attention = CausalAttention()

@@ -15,6 +15,7 @@ import torch
 
 from modeling import layers
 from modeling.config import ModelConfig, RopeConfig
+from modeling.decoder import DecoderLayer
 from modeling.ops import TorchRowOps, TritonRowOps, row_ops
 from modeling.rope import RotaryEmbedding
 from tests.engine_helpers import CausalAttention
@@ -51,7 +52,7 @@ def test_triton_ops_match_torch_ops_through_a_layer(monkeypatch: pytest.MonkeyPa
                          num_heads=4, num_kv_heads=2, head_dim=32, rms_norm_eps=1e-6, rope=RopeConfig(),
                          max_position_embeddings=128, qk_norm=qk_norm, mlp_bias=True)
     torch.manual_seed(0)
-    layer = layers.DecoderLayer(config)
+    layer = DecoderLayer(config, 0)
     for parameter in layer.parameters():
         torch.nn.init.normal_(parameter, mean=1.0 if parameter.dim() == 1 else 0.0, std=0.1)
     layer = layer.half()

@@ -17,6 +17,12 @@ class AttentionBackend(Protocol):
         """q: [N, Hq, D]; pages: one layer's pool; tree_k/v: [N, Hkv, D] -> [N, Hq, D]."""
         ...
 
+    def verify_latent(self, q: torch.Tensor, pages: torch.Tensor, tree_entries: torch.Tensor, batch: VerifyBatch,
+                      sm_scale: float, value_dim: int) -> torch.Tensor:
+        """MLA: q: [N, H, C] absorbed queries; pages: one layer's latent pool; tree_entries: [N, C]
+        -> [N, H, value_dim]."""
+        ...
+
     def commit(self, kv: KVCache, scratch: TreeScratch, src_rows: torch.Tensor, dst_slots: torch.Tensor) -> None:
         """Copy scratch rows `src_rows` into page slots `dst_slots` in every layer."""
         ...
@@ -27,8 +33,15 @@ class TorchReferenceBackend:
         return reference.verify_attention_reference(q, k_pages, v_pages, batch.block_tables, batch.prefix_lens,
                                                     tree_k, tree_v, batch.cu_tree, batch.tree_mask, sm_scale)
 
+    def verify_latent(self, q, pages, tree_entries, batch, sm_scale, value_dim):
+        return reference.latent_verify_attention_reference(q, pages, batch.block_tables, batch.prefix_lens,
+                                                           tree_entries, batch.cu_tree, batch.tree_mask, sm_scale,
+                                                           value_dim)
+
     def commit(self, kv, scratch, src_rows, dst_slots):
-        reference.commit_kv_reference(kv.k, kv.v, scratch.k, scratch.v, src_rows, dst_slots)
+        for pages, rows in ((kv.k, scratch.k), (kv.v, scratch.v)):
+            if pages is not None:  # NOTE: an MLA cache has no V pages
+                reference.commit_rows_reference(pages, rows, src_rows, dst_slots)
 
 
 class TritonBackend:
@@ -45,6 +58,9 @@ class TritonBackend:
     def verify(self, q, k_pages, v_pages, tree_k, tree_v, batch, sm_scale):
         return self._verify(q, k_pages, v_pages, batch.block_tables, batch.prefix_lens, tree_k, tree_v,
                             batch.cu_tree, batch.tree_mask, sm_scale, batch.max_prefix_len, batch.max_tree_len)
+
+    def verify_latent(self, q, pages, tree_entries, batch, sm_scale, value_dim):
+        raise NotImplementedError("the triton backend has no MLA verify kernel yet: use --attention torch")
 
     def commit(self, kv, scratch, src_rows, dst_slots):
         self._commit(kv.k, kv.v, scratch.k, scratch.v, src_rows, dst_slots)
@@ -63,11 +79,21 @@ class PagedVerifyAttention:
     tree scratch (never the pages), then the backend attends over pages + scratch."""
 
     def __init__(self, backend: AttentionBackend, kv: KVCache, scratch: TreeScratch, batch: VerifyBatch,
-                 sm_scale: float):
+                 sm_scale: float, value_dim: int = 0):
+        """value_dim: MLA's kv_lora_rank (the latent columns that are values); unused for GQA."""
         self.backend, self.kv, self.scratch, self.batch, self.sm_scale = backend, kv, scratch, batch, sm_scale
+        self.value_dim = value_dim
 
-    def kv_buffers(self, layer: int, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def kv_buffers(self, layer: int, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if self.scratch.v is None:
+            return None
         return self.scratch.k[layer, :num_tokens], self.scratch.v[layer, :num_tokens]
+
+    def latent(self, layer: int, q: torch.Tensor, entries: torch.Tensor) -> torch.Tensor:
+        n = q.shape[0]
+        self.scratch.k[layer, :n, 0] = entries
+        return self.backend.verify_latent(q, self.kv.k[layer], self.scratch.k[layer, :n, 0], self.batch,
+                                          self.sm_scale, self.value_dim)
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         n = q.shape[0]

@@ -64,8 +64,13 @@ class Engine:
         # it; the tensors hold only the KV heads of this model instance (`shard_config`).
         self.kv = self._kv_cache(num_pages, dtype, device)
         self.scratch = TreeScratch(model.shard_config, config.max_batch_tokens, dtype, device)
+        if self.model_config.mla is not None and config.attention != "torch":
+            raise ValueError(f"{self.model_config.architecture} (MLA) is served with attention 'torch' until "
+                             "the MLA verify kernel lands")
         self.backend = make_backend(config.attention)
-        self.sm_scale = self.model_config.head_dim ** -0.5
+        self.sm_scale = self.model_config.attention_scale
+        # NOTE: an MLA layer's attention returns the attention-weighted latents: its first kv_lora_rank columns
+        self.value_dim = self.model_config.mla.kv_lora_rank if self.model_config.mla else 0
         self.feature_layers = config.feature_layers  # NOTE: set by the service once a drafter says which
         self.sessions: dict[str, Session] = {}
         self.graphs = self._graphed_forward() if config.uses_cuda_graphs else None
@@ -208,7 +213,7 @@ class Engine:
 
     @torch.inference_mode()
     def _forward(self, batch: VerifyBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
-        attend = PagedVerifyAttention(self.backend, self.kv, self.scratch, batch, self.sm_scale)
+        attend = PagedVerifyAttention(self.backend, self.kv, self.scratch, batch, self.sm_scale, self.value_dim)
         return self.model(batch.input_ids, batch.positions, attend, self.feature_layers)
 
     def head(self, hidden: torch.Tensor, greedy: bool) -> torch.Tensor:

@@ -1,0 +1,131 @@
+"""The mixture-of-experts MLP of DeepSeek-V2/V3, Kimi K2 and GLM-4.7-Flash: each token goes to k of E routed
+experts and, always, to the shared experts.
+
+This torch version is the reference a fused GPU kernel is tested against: `route` is the routing such a kernel
+reuses, and `MoE.run_experts` the exact grouped computation it replaces (no capacity limit, no dropped tokens).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from modeling.config import ModelConfig, MoEConfig
+from modeling.layers import MLP
+
+SCORINGS = ("softmax", "sigmoid")
+TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
+
+
+def route(logits: torch.Tensor, moe: MoEConfig,
+          correction_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The experts of each token and their weights, from the router's fp32 logits [N, E].
+
+    Scores are softmax (DeepSeek-V2) or sigmoid (V3 and later) of the logits. The choice ranks experts by score
+    plus `correction_bias` (V3's auxiliary-loss-free load balancing: it steers the choice, never the weights),
+    restricted to each token's best `topk_groups` of `num_groups` equal groups unless `topk_method` is greedy.
+    The weights are the chosen experts' uncorrected scores, renormalised to sum to 1 when `norm_topk_prob`, times
+    `routed_scaling_factor`.
+    NOTE: ties go to the lower expert (and group) id on every device, so a routing is reproducible.
+    Returns expert ids [N, k] (int64, best choice first) and fp32 weights [N, k]."""
+    scores = logits.softmax(dim=-1) if moe.scoring == "softmax" else logits.sigmoid()  # [N, E]
+    choice = scores if correction_bias is None else scores + correction_bias
+    if moe.topk_method != "greedy" and moe.topk_groups < moe.num_groups:
+        choice = _within_best_groups(choice, moe)
+    ids = _top(choice, moe.experts_per_token)  # [N, k]
+    weights = scores.gather(1, ids)
+    if moe.norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return ids, weights * moe.routed_scaling_factor
+
+
+def _within_best_groups(choice: torch.Tensor, moe: MoEConfig) -> torch.Tensor:
+    """`choice` [N, E] with -inf outside each token's best `topk_groups` groups. A group scores as its best
+    expert (group_limited_greedy) or as the sum of its best two (noaux_tc)."""
+    grouped = choice.view(choice.shape[0], moe.num_groups, -1)  # [N, G, E / G]
+    if moe.topk_method == "noaux_tc":
+        group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # [N, G]
+    else:
+        group_scores = grouped.amax(dim=-1)
+    keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, _top(group_scores, moe.topk_groups), True)
+    return grouped.masked_fill(~keep[..., None], float("-inf")).view_as(choice)
+
+
+def _top(values: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the k largest values of each row, ties to the lower index (torch.topk leaves ties open)."""
+    return values.sort(dim=-1, descending=True, stable=True).indices[:, :k]
+
+
+class Router(nn.Module):
+    """`gate.weight` [E, hidden] and, for sigmoid scoring, `gate.e_score_correction_bias` [E].
+    NOTE: `keep_fp32`: the loader keeps these in fp32 whatever the model dtype (as transformers does): the choice
+    hangs on small score differences, and the bias is added to scores in [0, 1]."""
+
+    keep_fp32 = True
+
+    def __init__(self, hidden_size: int, moe: MoEConfig):
+        super().__init__()
+        self.moe = moe
+        self.weight = nn.Parameter(torch.empty(moe.num_experts, hidden_size))
+        bias = nn.Parameter(torch.zeros(moe.num_experts)) if moe.scoring == "sigmoid" else None
+        self.e_score_correction_bias = bias
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [N, hidden] -> expert ids [N, k], fp32 weights [N, k]; the logits are computed in fp32."""
+        logits = F.linear(x.float(), self.weight.float())  # [N, E]
+        return route(logits, self.moe, self.e_score_correction_bias)
+
+
+def expert_mlp(config: ModelConfig, intermediate_size: int) -> MLP:
+    """A silu-gated MLP without biases (experts never have them) of the given width."""
+    return MLP(replace(config, intermediate_size=intermediate_size, mlp_bias=False))
+
+
+class MoE(nn.Module):
+    """Routed experts plus shared experts, named as in the checkpoints under a layer's `mlp.`: `gate.*`,
+    `experts.{j}.{gate,up,down}_proj.weight`, `shared_experts.{gate,up,down}_proj.weight`."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        moe = config.moe
+        if moe is None:
+            raise ValueError(f"{config.architecture}: the config has no routed experts")
+        if moe.scoring not in SCORINGS or moe.topk_method not in TOPK_METHODS:
+            raise ValueError(f"unsupported routing: scoring {moe.scoring!r} (expected one of {SCORINGS}), "
+                             f"topk_method {moe.topk_method!r} (expected one of {TOPK_METHODS})")
+        if moe.num_experts % moe.num_groups:
+            raise ValueError(f"{moe.num_experts} experts do not split into {moe.num_groups} equal groups")
+        self.gate = Router(config.hidden_size, moe)
+        self.experts = nn.ModuleList(expert_mlp(config, moe.intermediate_size) for _ in range(moe.num_experts))
+        shared = moe.num_shared_experts * moe.intermediate_size
+        self.shared_experts = expert_mlp(config, shared) if shared else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [N, hidden] -> [N, hidden]."""
+        ids, weights = self.gate(x)
+        out = self.run_experts(x, ids, weights)  # [N, hidden] fp32
+        if self.shared_experts is not None:
+            out += self.shared_experts(x)
+        return out.to(x.dtype)
+
+    def run_experts(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Sum over each token's experts of weight * expert(token), accumulated in fp32. The (token, expert)
+        pairs are sorted by expert, so each expert that has tokens runs once, on its rows only.
+        x: [N, hidden]; ids, weights: [N, k] -> [N, hidden] fp32."""
+        k = ids.shape[1]
+        flat = ids.flatten()  # [N * k], token-major
+        order = flat.argsort(stable=True)  # the pairs grouped by expert, tokens ascending within each
+        tokens = order // k  # [N * k]: the token of each sorted pair
+        pair_weights = weights.flatten()[order]
+        counts = torch.bincount(flat, minlength=len(self.experts)).tolist()  # NOTE: syncs with the device
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        start = 0
+        for expert, count in zip(self.experts, counts):
+            if count:
+                rows = tokens[start:start + count]
+                out.index_add_(0, rows, expert(x[rows]) * pair_weights[start:start + count, None])
+                start += count
+        return out

@@ -1,0 +1,122 @@
+"""MLA + MoE targets through the engine: the paged latent cache, absorbed-form verification (the torch
+reference, prefix and tree merged by LSE) and speculative decoding, exact against plain greedy decoding,
+offline and through the gRPC services, for each architecture's tiny checkpoint."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ddtree.client import Client
+from ddtree.local_stack import LocalStack, free_port
+from ddtree.offline import generate_offline
+from ddtree_kernels.reference import latent_verify_attention_reference, pack_tree_mask
+from drafter_service.server import load_drafter
+from modeling.checkpoint import load_causal_lm
+from modeling.tiny import make_tiny_drafter, make_tiny_target
+from modeling.tree import DraftTree
+from tests.engine_helpers import CausalAttention, make_engine, plain_generate, run_to_end
+from verifier_service.engine.kv_cache import KVCache
+from verifier_service.engine.sampling import SamplingParams
+
+ARCHS = ("deepseek_v2", "deepseek_v3", "glm4_moe_lite")
+PARAMS = SamplingParams(max_new_tokens=40, ignore_eos=True)
+REPETITIVE = "the cat sat on the mat. the cat sat on the mat. the cat sat on the mat."
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def mla_target(request, tmp_path_factory):
+    return make_tiny_target(tmp_path_factory.mktemp(request.param), seed=0, arch=request.param)
+
+
+@pytest.fixture(scope="module")
+def mla_dflash(mla_target, tmp_path_factory):
+    return make_tiny_drafter(tmp_path_factory.mktemp("dflash"), mla_target, seed=1)
+
+
+def test_the_latent_reference_is_one_softmax_over_prefix_and_tree() -> None:
+    """The prefix and tree partials merged by LSE equal one masked softmax over both, per head."""
+    gen = torch.Generator().manual_seed(0)
+    heads, dim, value_dim, page_size = 3, 12, 8, 4
+    lens, trees = [0, 5, 11], [3, 1, 4]
+    pages = torch.randn(8, page_size, 1, dim, generator=gen)
+    tables = torch.tensor([[0, 0, 0], [3, 1, 0], [2, 5, 7]], dtype=torch.int32)
+    q = torch.randn(sum(trees), heads, dim, generator=gen)
+    tree_entries = torch.randn(sum(trees), dim, generator=gen)
+    cu = torch.tensor([0, 3, 4, 8], dtype=torch.int32)
+    masks = [torch.ones(t, t, dtype=torch.bool).tril() for t in trees]
+    masks[2][3, 1] = False  # a branch: row 3 does not see row 1
+    words = torch.cat([pack_tree_mask(m) for m in masks])
+    got = latent_verify_attention_reference(q, pages, tables, torch.tensor(lens, dtype=torch.int32),
+                                            tree_entries, cu, words, 0.3, value_dim)
+    for b, (n, t) in enumerate(zip(lens, trees)):
+        lo = int(cu[b])
+        prefix = pages[tables[b].long()].flatten(0, 2)[:n]
+        keys = torch.cat([prefix, tree_entries[lo:lo + t]])
+        visible = torch.cat([torch.ones(t, n, dtype=torch.bool), masks[b]], dim=1)
+        scores = torch.einsum("thc,sc->hts", q[lo:lo + t], keys) * 0.3
+        probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+        torch.testing.assert_close(got[lo:lo + t], torch.einsum("hts,sv->thv", probs, keys[:, :value_dim]))
+
+
+def test_the_cache_holds_one_latent_entry_per_token_and_layer(mla_target) -> None:
+    engine = make_engine(mla_target)
+    mla = engine.model_config.mla
+    assert engine.kv.v is None and engine.kv.k.shape[-2:] == (1, mla.latent_dim)
+    assert KVCache.page_bytes(engine.model_config, 16, torch.float32) == 4 * 16 * mla.latent_dim * 4
+
+
+def test_plain_decoding_equals_the_model_run_causally(mla_target) -> None:
+    """Paged latent prefix + chunked prefill + one token per step == the whole sequence recomputed each time."""
+    engine = make_engine(mla_target)
+    model = load_causal_lm(mla_target)
+    prompt = engine.tokenizer.encode("latent attention, paged")
+    got = plain_generate(engine, prompt, SamplingParams(max_new_tokens=12, ignore_eos=True))
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(12):
+            hidden, _ = model(torch.tensor(ids), torch.arange(len(ids)), CausalAttention(model.config))
+            ids.append(int(model.logits(hidden[-1:]).argmax()))
+    assert got == ids[len(prompt):]
+
+
+@pytest.mark.parametrize("page_size", [16, 64])
+def test_dflash_and_ngram_greedy_equal_plain(mla_target, mla_dflash, page_size: int) -> None:
+    engine = make_engine(mla_target, page_size=page_size)
+    prompt = engine.tokenizer.encode(REPETITIVE)
+    plain = generate_offline(engine, None, prompt, PARAMS)
+    for drafter in (load_drafter(str(mla_dflash), str(mla_target)), load_drafter(str(mla_dflash), str(mla_target),
+                                                                                   context_window=8),
+                    load_drafter("ngram", None)):
+        result = generate_offline(engine, drafter, prompt, PARAMS, tree_budget=15)
+        assert result.token_ids == plain.token_ids
+    assert max(result.acceptance_lengths) > 1  # the n-gram drafter accepts on repetitive text
+    assert engine.pool.num_free == engine.pool.num_pages
+
+
+def test_forks_share_the_latent_pages_and_stay_independent(mla_target) -> None:
+    engine = make_engine(mla_target)
+    prompt = engine.tokenizer.encode("a shared prefix of latent pages, then two continuations")
+    expected = plain_generate(engine, prompt, PARAMS)
+    parent, _ = engine.create_session(prompt)
+    fork = engine.fork_session(parent.session_id)
+    assert fork.block_table.pages == parent.block_table.pages
+    for session in (fork, parent):  # the fork writes first: copy-on-write must leave the parent's pages alone
+        engine.start_generation(session.session_id, PARAMS)
+        emitted, _ = run_to_end(engine, session.session_id, lambda _: DraftTree.empty())
+        assert emitted == expected
+    for session in (fork, parent):
+        engine.release_session(session.session_id)
+    assert engine.pool.num_free == engine.pool.num_pages
+
+
+def test_greedy_through_the_services_equals_offline(mla_target, mla_dflash, tmp_path) -> None:
+    expected = generate_offline(make_engine(mla_target, page_size=64), None,
+                                make_engine(mla_target).tokenizer.encode(REPETITIVE),
+                                SamplingParams(max_new_tokens=24)).token_ids
+    with LocalStack(str(mla_target), str(mla_dflash), drafters=1, gateway_listen=f"127.0.0.1:{free_port()}",
+                    verifier_args=("--page-size", "16", "--max-context", "2048", "--tree-budget", "8"),
+                    log_dir=tmp_path) as stack:
+        generation = Client(stack.addresses["gateway"], timeout=120).generate(REPETITIVE, max_new_tokens=24)
+        list(generation)
+    assert generation.token_ids == expected
