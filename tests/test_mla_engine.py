@@ -4,16 +4,21 @@ offline and through the gRPC services, for each architecture's tiny checkpoint."
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
+from ddtree.cli import TINY_ARCHS
 from ddtree.client import Client
 from ddtree.local_stack import LocalStack, free_port
 from ddtree.offline import generate_offline
 from ddtree_kernels.reference import latent_verify_attention_reference, pack_tree_mask
 from drafter_service.server import load_drafter
 from modeling.checkpoint import load_causal_lm
-from modeling.tiny import make_tiny_drafter, make_tiny_target
+from modeling.config import ModelConfig
+from modeling.tiny import TINY_CONFIGS, make_tiny_drafter, make_tiny_target
 from modeling.tree import DraftTree
 from tests.engine_helpers import CausalAttention, make_engine, plain_generate, run_to_end
 from verifier_service.engine.kv_cache import KVCache
@@ -120,3 +125,27 @@ def test_greedy_through_the_services_equals_offline(mla_target, mla_dflash, tmp_
         generation = Client(stack.addresses["gateway"], timeout=120).generate(REPETITIVE, max_new_tokens=24)
         list(generation)
     assert generation.token_ids == expected
+
+
+def test_make_tiny_model_writes_each_architecture(tmp_path) -> None:
+    """`ddtree make-tiny-model --arch` (whose choices are spelled out so parsing needs no torch) writes a target
+    of that family and a drafter that loads against it."""
+    assert set(TINY_ARCHS) == set(TINY_CONFIGS)
+    subprocess.run([sys.executable, "-m", "ddtree.cli", "make-tiny-model", str(tmp_path), "--arch", "glm4_moe_lite"],
+                   check=True, capture_output=True)
+    assert ModelConfig.from_dir(tmp_path / "target").architecture == "Glm4MoeLiteForCausalLM"
+    drafter = load_drafter(str(tmp_path / "dflash"), str(tmp_path / "target"))
+    assert drafter.info.kind == "dflash"
+
+
+@pytest.mark.parametrize("raw", [{"architectures": ["DeepseekV32ForCausalLM"]},
+                                 {"architectures": ["GlmMoeDsaForCausalLM"]},
+                                 {"architectures": ["DeepseekV3ForCausalLM"], "index_topk": 2048}])
+def test_sparse_attention_models_are_refused_by_name(raw) -> None:
+    with pytest.raises(ValueError, match="DeepSeek Sparse Attention"):
+        ModelConfig.from_hf(raw)
+
+
+def test_an_mla_model_on_the_triton_backend_is_a_clear_error(mla_target) -> None:
+    with pytest.raises(ValueError, match="MLA.*attention 'torch'"):
+        make_engine(mla_target, attention="triton")
