@@ -115,11 +115,13 @@ def test_forks_share_the_latent_pages_and_stay_independent(mla_target) -> None:
     assert engine.pool.num_free == engine.pool.num_pages
 
 
-def test_greedy_through_the_services_equals_offline(mla_target, mla_dflash, tmp_path) -> None:
-    expected = generate_offline(make_engine(mla_target, page_size=64), None,
-                                make_engine(mla_target).tokenizer.encode(REPETITIVE),
+@pytest.mark.parametrize("drafter", ["dflash", "ngram"])
+def test_greedy_through_the_services_equals_offline(mla_target, mla_dflash, tmp_path, drafter: str) -> None:
+    engine = make_engine(mla_target, page_size=64)
+    expected = generate_offline(engine, None, engine.tokenizer.encode(REPETITIVE),
                                 SamplingParams(max_new_tokens=24)).token_ids
-    with LocalStack(str(mla_target), str(mla_dflash), drafters=1, gateway_listen=f"127.0.0.1:{free_port()}",
+    drafter = str(mla_dflash) if drafter == "dflash" else drafter
+    with LocalStack(str(mla_target), drafter, drafters=1, gateway_listen=f"127.0.0.1:{free_port()}",
                     verifier_args=("--page-size", "16", "--max-context", "2048", "--tree-budget", "8"),
                     log_dir=tmp_path) as stack:
         generation = Client(stack.addresses["gateway"], timeout=120).generate(REPETITIVE, max_new_tokens=24)
