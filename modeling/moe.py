@@ -105,16 +105,21 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [N, hidden] -> [N, hidden]."""
+        return self.expert_sum(x).to(x.dtype)
+
+    def expert_sum(self, x: torch.Tensor) -> torch.Tensor:
+        """The routed experts' weighted outputs plus the shared experts', in fp32 [N, hidden]."""
         ids, weights = self.gate(x)
-        out = self.run_experts(x, ids, weights)  # [N, hidden] fp32
+        out = self.run_experts(x, ids, weights)
         if self.shared_experts is not None:
             out += self.shared_experts(x)
-        return out.to(x.dtype)
+        return out
 
     def run_experts(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Sum over each token's experts of weight * expert(token), accumulated in fp32. The (token, expert)
-        pairs are sorted by expert, so each expert that has tokens runs once, on its rows only.
-        x: [N, hidden]; ids, weights: [N, k] -> [N, hidden] fp32."""
+        pairs are sorted by expert, so each expert that has tokens runs once, on its rows only; an expert that is
+        None (held by another tensor-parallel rank) is skipped. x: [N, hidden]; ids, weights: [N, k] -> [N, hidden]
+        fp32."""
         k = ids.shape[1]
         flat = ids.flatten()  # [N * k], token-major
         order = flat.argsort(stable=True)  # the pairs grouped by expert, tokens ascending within each
@@ -124,8 +129,8 @@ class MoE(nn.Module):
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         start = 0
         for expert, count in zip(self.experts, counts):
-            if count:
+            if count and expert is not None:
                 rows = tokens[start:start + count]
                 out.index_add_(0, rows, expert(x[rows]) * pair_weights[start:start + count, None])
-                start += count
+            start += count
         return out

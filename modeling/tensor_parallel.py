@@ -1,9 +1,12 @@
 """Tensor parallelism for the target model: the sharding plan and the layers that combine the shards.
 
-Every rank holds whole KV groups (a KV head and the query heads that read it), so attention needs no
-communication; q/k/v and gate/up are split by output (column-parallel), o_proj and down_proj by input
-(row-parallel, summed by one all-reduce each), the embedding and LM head by contiguous vocab ranges.
-Hidden states are replicated on every rank after each all-reduce. Collectives run on the default
+Dense (GQA) models: every rank holds whole KV groups (a KV head and the query heads that read it), so attention
+needs no communication; q/k/v and gate/up are split by output (column-parallel), o_proj and down_proj by input
+(row-parallel, summed by one all-reduce each). MLA models: the query heads are split (q_proj / q_b_proj,
+kv_b_proj, o_proj by head) while the low-rank projections and the latent cache are whole on every rank. MoE
+layers: the router is whole, the routed experts are split into contiguous ranges and the shared experts by
+columns; both partial sums cross ranks in one all-reduce. The embedding and LM head are split by contiguous
+vocab ranges. Hidden states are replicated on every rank after each all-reduce. Collectives run on the default
 torch.distributed process group.
 """
 
@@ -18,16 +21,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from modeling.checkpoint import load_weights
-from modeling.config import ModelConfig
+from modeling.config import MLAConfig, ModelConfig
+from modeling.decoder import DecoderLayer
 from modeling.layers import Linear
+from modeling.moe import MoE, expert_mlp
 from modeling.ops import row_ops
 from modeling.target import CausalLM
 
 Range = tuple[int, int]  # [start, end)
 
 # module name -> the range (of RankShard) its output rows (column-parallel) or input columns (row-parallel) follow
-_ROW_SPLIT = {"q_proj": "heads", "k_proj": "kv", "v_proj": "kv", "gate_proj": "mlp", "up_proj": "mlp",
-              "embed_tokens": "vocab", "lm_head": "vocab"}
+_ROW_SPLIT = {"q_proj": "heads", "q_b_proj": "heads", "kv_b_proj": "heads", "k_proj": "kv", "v_proj": "kv",
+              "gate_proj": "mlp", "up_proj": "mlp", "embed_tokens": "vocab", "lm_head": "vocab"}
 _COLUMN_SPLIT = {"o_proj": "heads", "down_proj": "mlp"}
 
 
@@ -40,10 +45,14 @@ def even_split(total: int, parts: int) -> list[Range]:
     return list(zip(bounds, bounds[1:]))
 
 
+def _size(r: Range) -> int:
+    return r[1] - r[0]
+
+
 @dataclass(frozen=True)
 class RankShard:
-    """What one rank holds: a range of KV heads (query heads follow their group), of MLP columns and of
-    vocab rows."""
+    """What one rank holds: a range of KV heads (query heads follow their group; MLA: one "KV head" per query
+    head), of dense MLP columns, of routed experts and shared-expert columns (MoE), and of vocab rows."""
 
     rank: int
     world_size: int
@@ -52,57 +61,102 @@ class RankShard:
     vocab: Range
     group_size: int  # query heads per KV head
     head_dim: int
+    mla: MLAConfig | None = None  # set: the per-head widths of MLA's projections
+    experts: Range = (0, 0)
+    shared_experts: Range = (0, 0)  # columns of the shared experts' MLP (num_shared_experts * intermediate)
 
     @property
     def heads(self) -> Range:
         return self.kv_heads[0] * self.group_size, self.kv_heads[1] * self.group_size
 
     def local_config(self, config: ModelConfig) -> ModelConfig:
-        """The shapes of this rank's part of `config`."""
-        def size(r: Range) -> int:
-            return r[1] - r[0]
-        return replace(config, num_heads=size(self.heads), num_kv_heads=size(self.kv_heads),
-                       intermediate_size=size(self.intermediate), vocab_size=size(self.vocab))
+        """The shapes of this rank's part of `config`. The MoE config stays whole: the router scores all experts
+        (ExpertParallelMoE holds the expert split)."""
+        return replace(config, num_heads=_size(self.heads), num_kv_heads=_size(self.kv_heads),
+                       intermediate_size=_size(self.intermediate), vocab_size=_size(self.vocab))
 
-    def _elements(self, kind: str) -> Range:
+    def _head_width(self, module: str) -> int:
+        """Rows (column-parallel) or columns (o_proj) per head of `module`."""
+        if self.mla is None:
+            return self.head_dim
+        mla = self.mla
+        return {"q_proj": mla.qk_head_dim, "q_b_proj": mla.qk_head_dim,
+                "kv_b_proj": mla.qk_nope_head_dim + mla.v_head_dim, "o_proj": mla.v_head_dim}[module]
+
+    def _elements(self, parent: str, module: str) -> Range | None:
+        """This rank's elements along the split dimension of tensor `parent.module`; None: every rank holds all of
+        it (norms, MLA's low-rank projections, the router, a routed expert: whole on the one rank that has it)."""
+        kind = _ROW_SPLIT.get(module) or _COLUMN_SPLIT.get(module)
         if kind in ("heads", "kv"):
             start, end = self.heads if kind == "heads" else self.kv_heads
-            return start * self.head_dim, end * self.head_dim
-        return self.intermediate if kind == "mlp" else self.vocab
+            width = self._head_width(module)
+            return start * width, end * width
+        if kind == "mlp":  # NOTE: a routed expert's parent is its index, so it is read whole
+            return {"mlp": self.intermediate, "shared_experts": self.shared_experts}.get(parent)
+        return self.vocab if kind == "vocab" else None
 
     def part(self, name: str) -> tuple[slice, ...] | None:
-        """The index of this rank's part of checkpoint tensor `name`; None when every rank holds all of it
-        (norms, and the biases of row-parallel layers)."""
-        *_, module, kind = name.split(".")
-        if module in _ROW_SPLIT:
-            return (slice(*self._elements(_ROW_SPLIT[module])),)
-        if module in _COLUMN_SPLIT and kind == "weight":
-            return slice(None), slice(*self._elements(_COLUMN_SPLIT[module]))
-        return None
+        """The index of this rank's part of checkpoint tensor `name`; None when the rank reads all of it (see
+        `_elements`, and the biases of row-parallel layers). Routed experts of other ranks are never asked for:
+        the model does not hold them."""
+        *_, parent, module, kind = ["", *name.split(".")]
+        elements = self._elements(parent, module)
+        if elements is None:
+            return None
+        if module in _COLUMN_SPLIT:
+            return (slice(None), slice(*elements)) if kind == "weight" else None
+        return (slice(*elements),)
 
 
 def plan_shards(config: ModelConfig, world_size: int) -> list[RankShard]:
     """Whole KV groups per rank (N need not divide the head counts: 8 KV heads over 7 ranks gives one rank
-    two groups); MLP columns and vocab rows as even as possible."""
+    two groups); for MLA whole query heads; MLP columns, routed experts and vocab rows as even as possible."""
+    heads, unit = ("num_heads", "attention head") if config.mla else ("num_kv_heads", "whole KV group")
     if not 1 <= world_size <= config.num_kv_heads:
-        raise ValueError(f"tensor parallelism over {world_size} ranks needs 1 <= N <= num_kv_heads "
-                         f"({config.num_kv_heads}): every rank holds at least one whole KV group")
+        raise ValueError(f"tensor parallelism over {world_size} ranks needs 1 <= N <= {heads} "
+                         f"({config.num_kv_heads}): every rank holds at least one {unit}")
+    moe = config.moe
+    if moe is not None and world_size > moe.num_experts:
+        raise ValueError(f"tensor parallelism over {world_size} ranks needs N <= n_routed_experts "
+                         f"({moe.num_experts}): every rank holds at least one routed expert")
+    no_experts = [(0, 0)] * world_size
+    experts = even_split(moe.num_experts, world_size) if moe else no_experts
+    shared = even_split(moe.num_shared_experts * moe.intermediate_size, world_size) if moe else no_experts
     splits = zip(even_split(config.num_kv_heads, world_size), even_split(config.intermediate_size, world_size),
-                 even_split(config.vocab_size, world_size))
-    return [RankShard(rank, world_size, kv, mlp, vocab, config.group_size, config.head_dim)
-            for rank, (kv, mlp, vocab) in enumerate(splits)]
+                 even_split(config.vocab_size, world_size), experts, shared)
+    return [RankShard(rank, world_size, kv, mlp, vocab, config.group_size, config.head_dim, config.mla,
+                      rank_experts, rank_shared)
+            for rank, (kv, mlp, vocab, rank_experts, rank_shared) in enumerate(splits)]
 
 
 def weight_share(config: ModelConfig, shard: RankShard) -> float:
-    """The fraction of the model's weights (decoder layers, embedding, LM head; norms aside) a rank holds:
-    what it reads per decode step, next to its KV share `(kv_end - kv_start) / num_kv_heads`."""
-    h, d, local = config.hidden_size, config.head_dim, shard.local_config(config)
-    vocab_matrices = 1 if config.tie_word_embeddings else 2
+    """The fraction of the model's weights (decoder layers, embedding, LM head; norms aside) a rank holds.
+    Counted on the meta device from one layer of each kind (dense or MoE MLP), so every family's shapes are
+    right by construction. Dense models read all of it per decode step; an MoE rank reads only the experts the
+    step's tokens chose."""
+    local = shard.local_config(config)
+    sparse = set(config.moe.sparse_layers) if config.moe else set()
+    first: dict[bool, int] = {}  # whether a layer is MoE -> the first layer of that kind
+    for index in range(config.num_layers):
+        first.setdefault(index in sparse, index)
 
-    def params(c: ModelConfig) -> int:
-        attention = h * d * (2 * c.num_heads + 2 * c.num_kv_heads)
-        return config.num_layers * (attention + 3 * h * c.intermediate_size) + vocab_matrices * c.vocab_size * h
-    return params(local) / params(config)
+    def params(module: nn.Module) -> int:
+        return sum(p.numel() for name, p in module.named_parameters() if not name.endswith("norm.weight"))
+    whole = held = 0
+    with torch.device("meta"):
+        for is_sparse, index in first.items():
+            count = len(sparse) if is_sparse else config.num_layers - len(sparse)
+            whole += count * params(DecoderLayer(config, index))
+            held += count * params(split_layer(DecoderLayer(local, index), local, shard))
+    vocab_matrices = 1 if config.tie_word_embeddings else 2
+    return (held + vocab_matrices * local.vocab_size * config.hidden_size) / \
+        (whole + vocab_matrices * config.vocab_size * config.hidden_size)
+
+
+def kv_share(config: ModelConfig, shard: RankShard) -> float:
+    """The fraction of the KV cache a rank holds: its KV heads' share, or all of it for MLA (every rank keeps
+    the whole latent; only the heads that read it are split)."""
+    return 1.0 if config.mla is not None else _size(shard.kv_heads) / config.num_kv_heads
 
 
 class RowParallelLinear(Linear):
@@ -131,6 +185,42 @@ class VocabParallelEmbedding(nn.Embedding):
         return out
 
 
+class ExpertParallelMoE(MoE):
+    """One rank's part of an MoE layer: the router whole (every rank routes the same replicated input alike), the
+    routed experts `experts` (the others are None: another rank's, never loaded here) and the columns `shared`
+    of the shared experts. Build it on the meta device: MoE.__init__ makes every expert first."""
+
+    def __init__(self, config: ModelConfig, experts: Range, shared: Range):
+        super().__init__(config)
+        for j in range(len(self.experts)):
+            if not experts[0] <= j < experts[1]:
+                self.experts[j] = None
+        if self.shared_experts is not None:
+            self.shared_experts = expert_mlp(config, _size(shared))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's partial sums (its experts, its shared-expert columns) summed over ranks by one all-reduce,
+        in fp32 as MoE accumulates."""
+        out = self.expert_sum(x)
+        dist.all_reduce(out)
+        return out.to(x.dtype)
+
+
+def _row_parallel(linear: nn.Linear) -> RowParallelLinear:
+    return RowParallelLinear(linear.in_features, linear.out_features, bias=linear.bias is not None)
+
+
+def split_layer(layer: DecoderLayer, local: ModelConfig, shard: RankShard) -> DecoderLayer:
+    """A layer built from the rank's `local` config, with the modules that combine the shards swapped in: o_proj
+    and a dense down_proj row-parallel, an MoE expert-parallel."""
+    layer.self_attn.o_proj = _row_parallel(layer.self_attn.o_proj)
+    if isinstance(layer.mlp, MoE):
+        layer.mlp = ExpertParallelMoE(local, shard.experts, shard.shared_experts)
+    else:
+        layer.mlp.down_proj = _row_parallel(layer.mlp.down_proj)
+    return layer
+
+
 class TensorParallelCausalLM(CausalLM):
     """One rank's shard of the target. `config` stays the whole model's (vocab, context, stop ids); every
     rank must run the same calls in the same order, since each contains collectives."""
@@ -142,9 +232,7 @@ class TensorParallelCausalLM(CausalLM):
         self.vocab_ranges = even_split(config.vocab_size, shard.world_size)
         self.model.embed_tokens = VocabParallelEmbedding(shard.vocab, config.hidden_size)
         for layer in self.model.layers:
-            layer.self_attn.o_proj = RowParallelLinear(local.num_heads * config.head_dim, config.hidden_size,
-                                                       bias=False)
-            layer.mlp.down_proj = RowParallelLinear(local.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+            split_layer(layer, local, shard)
 
     def _gather(self, local: torch.Tensor) -> list[torch.Tensor]:
         parts = [torch.empty_like(local) for _ in range(self.shard.world_size)]

@@ -1,5 +1,6 @@
-"""Tensor parallelism on the CPU (gloo): the sharding plan, a sharded forward against the whole model, and the
-verifier service over N ranks (real processes, real gRPC) against N = 1, plus a rank killed mid-generation."""
+"""Tensor parallelism on the CPU (gloo): the sharding plan, a sharded forward against the whole model (dense GQA,
+and MLA + MoE), and the verifier service over N ranks (real processes, real gRPC) against N = 1, plus a rank
+killed mid-generation."""
 
 from __future__ import annotations
 
@@ -24,10 +25,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from ddtree.local_stack import free_port, wait_healthy
 from modeling.checkpoint import load_causal_lm, save_sharded
 from modeling.config import ModelConfig
-from modeling.tensor_parallel import even_split, load_shard, plan_shards, weight_share
-from modeling.tiny import random_weights
+from modeling.target import CausalLM
+from modeling.tensor_parallel import TensorParallelCausalLM, even_split, kv_share, load_shard, plan_shards, weight_share
+from modeling.tiny import TINY_CONFIGS, make_tiny_target, random_weights
 from proto import common_pb2, verifier_pb2, verifier_pb2_grpc
-from tests.engine_helpers import causal_attention, make_engine, plain_generate
+from tests.engine_helpers import CausalAttention, make_engine, plain_generate
 from verifier_service.engine.sampling import SamplingParams
 from verifier_service.errors import EngineDown
 from verifier_service.metrics import VerifierMetrics
@@ -40,6 +42,7 @@ WIDE = {"architectures": ["Qwen3ForCausalLM"], "vocab_size": 320, "hidden_size":
         "eos_token_id": 256}
 # Qwen2 (q/k/v bias) with an MLP bias and tied embeddings: every kind of split the loader knows.
 BIASED = {**WIDE, "architectures": ["Qwen2ForCausalLM"], "mlp_bias": True, "tie_word_embeddings": True}
+MLA_ARCHS = ("deepseek_v2", "deepseek_v3", "glm4_moe_lite")  # 4 heads, 8 experts (2 per token), 1 shared expert
 MAX_NEW = 32
 
 
@@ -54,6 +57,13 @@ def write_checkpoint(path: Path, raw: dict, seed: int = 0) -> Path:
 @pytest.fixture(scope="module")
 def wide_target(tmp_path_factory) -> Path:
     return write_checkpoint(tmp_path_factory.mktemp("wide"), WIDE)
+
+
+@pytest.fixture(scope="module")
+def targets(tiny_target, wide_target, tmp_path_factory) -> dict[str, Path]:
+    """The dense tiny and wide targets, and each MLA + MoE architecture's tiny checkpoint."""
+    mla = {arch: make_tiny_target(tmp_path_factory.mktemp(arch), seed=0, arch=arch) for arch in MLA_ARCHS}
+    return {"tiny": tiny_target, "wide": wide_target, **mla}
 
 
 # ---- the plan ------------------------------------------------------------------------------------------------
@@ -97,6 +107,48 @@ def test_plan_parts_index_the_checkpoint_tensors() -> None:
         plan_shards(config, 9)
 
 
+def test_plan_splits_mla_heads_and_moe_experts() -> None:
+    """DeepSeek-V3's tiny shape over 3 ranks: heads 2/1/1, experts 3/3/2, shared-expert columns 11/11/10;
+    the low-rank projections, the router and whole experts are read whole."""
+    config = ModelConfig.from_hf(TINY_CONFIGS["deepseek_v3"])  # qk_head_dim 24, nope + v 32, v 16
+    shards = plan_shards(config, 3)
+    assert [s.heads for s in shards] == [(0, 2), (2, 3), (3, 4)]
+    assert [s.experts for s in shards] == [(0, 3), (3, 6), (6, 8)]
+    assert [s.shared_experts for s in shards] == [(0, 11), (11, 22), (22, 32)]
+    shard = shards[1]
+    attn, mlp = "model.layers.1.self_attn.", "model.layers.1.mlp."
+    assert shard.part(attn + "q_b_proj.weight") == (slice(48, 72),)
+    assert shard.part(attn + "kv_b_proj.weight") == (slice(64, 96),)
+    assert shard.part(attn + "o_proj.weight") == (slice(None), slice(32, 48))
+    for replicated in ("q_a_proj.weight", "q_a_layernorm.weight", "kv_a_proj_with_mqa.weight", "kv_a_layernorm.weight"):
+        assert shard.part(attn + replicated) is None
+    assert shard.part(mlp + "gate.weight") is None and shard.part(mlp + "gate.e_score_correction_bias") is None
+    assert shard.part(mlp + "experts.4.down_proj.weight") is None
+    assert shard.part(mlp + "shared_experts.up_proj.weight") == (slice(11, 22),)
+    assert shard.part(mlp + "shared_experts.down_proj.weight") == (slice(None), slice(11, 22))
+    assert shard.part("model.layers.0.mlp.gate_proj.weight") == (slice(43, 86),)  # the dense first layer
+    v2 = ModelConfig.from_hf(TINY_CONFIGS["deepseek_v2"])  # no q low-rank: q_proj splits by head
+    assert plan_shards(v2, 2)[1].part(attn + "q_proj.weight") == (slice(48, 96),)
+    assert kv_share(config, shard) == 1.0  # the latent cache is whole on every rank
+    with pytest.raises(ValueError, match="num_heads"):
+        plan_shards(config, 5)
+    with pytest.raises(ValueError, match="n_routed_experts"):
+        plan_shards(ModelConfig.from_hf({**TINY_CONFIGS["deepseek_v3"], "n_routed_experts": 2, "n_group": 1}), 3)
+
+
+@pytest.mark.parametrize("arch", MLA_ARCHS)
+def test_weight_share_counts_what_a_shard_holds(arch: str) -> None:
+    """weight_share (one layer of each kind) against the parameters of whole shards built on the meta device."""
+    config = ModelConfig.from_hf(TINY_CONFIGS[arch])
+
+    def params(model: torch.nn.Module) -> int:
+        return sum(p.numel() for name, p in model.named_parameters() if not name.endswith("norm.weight"))
+    with torch.device("meta"):
+        whole = params(CausalLM(config))
+        for shard in plan_shards(config, 3):
+            assert weight_share(config, shard) == pytest.approx(params(TensorParallelCausalLM(config, shard)) / whole)
+
+
 # ---- a sharded forward equals the whole one --------------------------------------------------------------------
 
 
@@ -112,7 +164,7 @@ def sharded_forward(rank: int, world_size: int, checkpoints: list[str], store_fi
     for checkpoint in checkpoints:
         model = load_shard(checkpoint, world_size, rank)
         with torch.no_grad():
-            hidden, features = model(IDS, torch.arange(len(IDS)), causal_attention, capture_layers=(1, 0))
+            hidden, features = model(IDS, torch.arange(len(IDS)), CausalAttention(model.config), capture_layers=(1, 0))
             results.append({"hidden": hidden, "features": features, "logits": model.logits(hidden),
                             "greedy": model.greedy_tokens(hidden)})
     if rank == 0:
@@ -122,22 +174,35 @@ def sharded_forward(rank: int, world_size: int, checkpoints: list[str], store_fi
     os._exit(0)
 
 
-def test_sharded_forward_equals_the_whole_model(tmp_path) -> None:
-    """Over 3 ranks (uneven: 3/3/2 KV groups, 34/33/33 MLP columns, 107/107/106 vocab rows), for a Qwen3 model
-    and for a Qwen2 one with q/k/v and MLP biases and tied embeddings. The ranks are child processes, so a
-    collective library failure can fail this test but never the test process."""
-    checkpoints = [str(write_checkpoint(tmp_path / name, raw)) for name, raw in (("qwen3", WIDE), ("qwen2", BIASED))]
-    args = (3, checkpoints, str(tmp_path / "store"), str(tmp_path))
-    torch.multiprocessing.start_processes(sharded_forward, args=args, nprocs=3, join=True)
+def assert_sharded_equals_whole(checkpoints: list[str], world_size: int, tmp_path: Path) -> None:
+    """The ranks are child processes, so a collective library failure can fail the test but never the test
+    process."""
+    args = (world_size, checkpoints, str(tmp_path / "store"), str(tmp_path))
+    torch.multiprocessing.start_processes(sharded_forward, args=args, nprocs=world_size, join=True)
     results = torch.load(tmp_path / "rank0.pt")
     for checkpoint, got in zip(checkpoints, results):
         whole = load_causal_lm(checkpoint)
         with torch.no_grad():
-            hidden, features = whole(IDS, torch.arange(len(IDS)), causal_attention, capture_layers=(1, 0))
+            hidden, features = whole(IDS, torch.arange(len(IDS)), CausalAttention(whole.config),
+                                     capture_layers=(1, 0))
         torch.testing.assert_close(got["hidden"], hidden, atol=1e-5, rtol=1e-4)
         torch.testing.assert_close(got["features"], features, atol=1e-5, rtol=1e-4)
         torch.testing.assert_close(got["logits"], whole.logits(hidden), atol=1e-5, rtol=1e-4)
         assert torch.equal(got["greedy"], whole.greedy_tokens(hidden))
+
+
+def test_sharded_forward_equals_the_whole_model(tmp_path) -> None:
+    """Over 3 ranks (uneven: 3/3/2 KV groups, 34/33/33 MLP columns, 107/107/106 vocab rows), for a Qwen3 model
+    and for a Qwen2 one with q/k/v and MLP biases and tied embeddings."""
+    checkpoints = [str(write_checkpoint(tmp_path / name, raw)) for name, raw in (("qwen3", WIDE), ("qwen2", BIASED))]
+    assert_sharded_equals_whole(checkpoints, 3, tmp_path)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_sharded_mla_moe_forward_equals_the_whole_model(world_size: int, targets, tmp_path) -> None:
+    """Each MLA + MoE architecture (4 heads, 8 experts, a dense first layer) over 2 ranks and over 3 (uneven:
+    2/1/1 heads, 3/3/2 experts)."""
+    assert_sharded_equals_whole([str(targets[arch]) for arch in MLA_ARCHS], world_size, tmp_path)
 
 
 # ---- the service over N ranks ------------------------------------------------------------------------------------
@@ -200,10 +265,11 @@ def prompt_of(length: int) -> list[int]:
 
 # NOTE: 7 gloo ranks on 2 cores make every collective slow (~25 ms): that case runs fewer tokens.
 @pytest.mark.parametrize("model, world_size, prompt_lengths, fork", [
-    ("tiny", 2, (5, 40), True), ("wide", 3, (17, 33), True), ("wide", 7, (33,), False)])
-def test_greedy_over_n_ranks_equals_one_rank(model, world_size, prompt_lengths, fork, tiny_target, wide_target,
-                                             ngram_drafter, tmp_path) -> None:
-    target = tiny_target if model == "tiny" else wide_target
+    ("tiny", 2, (5, 40), True), ("wide", 3, (17, 33), True), ("wide", 7, (33,), False),
+    ("deepseek_v2", 3, (33,), False), ("deepseek_v3", 2, (17,), True), ("glm4_moe_lite", 3, (33,), False)])
+def test_greedy_over_n_ranks_equals_one_rank(model, world_size, prompt_lengths, fork, targets, ngram_drafter,
+                                             tmp_path) -> None:
+    target = targets[model]
     reference = make_engine(target)  # N = 1
     params = SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True)
     expected = {n: plain_generate(reference, prompt_of(n), params) for n in prompt_lengths}

@@ -3,8 +3,9 @@
 Rank 0 is the engine: sessions, pages, sampling, acceptance, and gRPC. Each operation that touches the model
 or the KV tensors (a forward, the LM head, a commit, a copy-on-write page copy) is sent to the followers as a
 small command, then run on rank 0; the followers run the same operation on their shard (their own KV heads,
-the same page numbers), and the collectives inside it keep the ranks in step. Hidden states are replicated
-after every all-reduce, so the drafter's features are read on rank 0 and never gathered.
+or for MLA the whole latent entries, at the same page numbers), and the collectives inside it keep the ranks in
+step. Hidden states are replicated after every all-reduce, so the drafter's features are read on rank 0 and
+never gathered.
 
 Commands travel over one pipe per follower, not a broadcast: an idle follower then waits in a pipe read,
 which has no timeout and ends (EOF) when rank 0 dies, where a broadcast would time out while the service is
@@ -29,7 +30,7 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
-from modeling.tensor_parallel import TensorParallelCausalLM, load_shard, plan_shards, weight_share
+from modeling.tensor_parallel import TensorParallelCausalLM, kv_share, load_shard, plan_shards, weight_share
 from modeling.tokenizer import Tokenizer
 from verifier_service.engine.config import EngineConfig
 from verifier_service.engine.engine import Engine, checkpoint_tokenizer
@@ -284,10 +285,11 @@ class TensorParallelGroup:
 
 
 def log_balance(model: TensorParallelCausalLM) -> None:
-    """The cost of uneven shards: the busiest rank's share of the weights and KV against 1/N."""
+    """The cost of uneven shards: the busiest rank's share of the weights and KV against 1/N (an MLA rank holds
+    the whole latent cache)."""
     config, world_size = model.config, model.shard.world_size
     shards = plan_shards(config, world_size)
     weights = max(weight_share(config, s) for s in shards)
-    kv = max(s.kv_heads[1] - s.kv_heads[0] for s in shards) / config.num_kv_heads
+    kv = max(kv_share(config, s) for s in shards)
     logging.info("tensor parallel over %d ranks: the busiest rank holds %.1f%% of the weights and %.1f%% of the "
                  "KV (even: %.1f%%)", world_size, 100 * weights, 100 * kv, 100 / world_size)
