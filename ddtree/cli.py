@@ -7,6 +7,7 @@ import argparse
 import sys
 from typing import TYPE_CHECKING, NoReturn
 
+from ddtree.bench_cli import add_bench_command
 from ddtree.client_cli import add_client_commands, for_terminal
 from ddtree.local_stack import add_forwarded_options, forwarded_args
 
@@ -58,16 +59,17 @@ def _run_offline(args: argparse.Namespace) -> OfflineResult:
     from ddtree.offline import generate_offline
     from drafter_service.server import load_drafter
     from modeling.config import ModelConfig
-    from verifier_service.engine.config import EngineConfig
+    from verifier_service.engine.config import EngineConfig, resolve_attention
     from verifier_service.engine.engine import Engine
     from verifier_service.engine.sampling import SamplingParams
 
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"--device {args.device}: this machine (torch {torch.__version__}) has no CUDA device")
-    dtype = args.dtype or ModelConfig.from_dir(args.target).torch_dtype
+    model = ModelConfig.from_dir(args.target)
     engine = Engine.from_checkpoint(args.target, EngineConfig(
-        page_size=args.page_size, kv_budget_bytes=args.kv_budget_mb << 20, dtype=dtype, device=args.device,
-        attention=args.attention))
+        page_size=args.page_size, kv_budget_bytes=args.kv_budget_mb << 20, dtype=args.dtype or model.torch_dtype,
+        device=args.device, attention=resolve_attention(args.attention, args.device, model)))
+    dtype = engine.config.dtype
     drafter = None
     if args.drafter != "none":
         drafter = load_drafter(args.drafter, args.target, args.device, dtype, args.context_window or None)
@@ -111,7 +113,8 @@ def _serve(args: argparse.Namespace) -> None:
           f"(logs in {stack.log_dir}) ...", file=sys.stderr)
     try:
         with stack:
-            print(f"gateway listening on {args.listen}", flush=True)
+            http = f", OpenAI-compatible HTTP API at {stack.http_url}" if stack.http_url else ""
+            print(f"gateway listening on {args.listen} (gRPC){http}", flush=True)
             if args.demo:
                 _demo(args.listen)
                 return
@@ -165,7 +168,8 @@ def build_parser() -> argparse.ArgumentParser:
     offline.add_argument("--context-window", type=int, default=1024, help="drafter window W; 0 = unlimited")
     offline.add_argument("--device", default="cpu")
     offline.add_argument("--dtype", default=None)
-    offline.add_argument("--attention", default="torch", choices=["torch", "triton"])
+    offline.add_argument("--attention", default="auto", choices=("auto", "torch", "triton"),
+                         help="auto: triton on CUDA (torch for MLA models), torch on the CPU")
     offline.add_argument("--page-size", type=int, default=64)
     offline.add_argument("--kv-budget-mb", type=int, default=256)
     offline.add_argument("--json", action="store_true", help="print one JSON object")
@@ -185,6 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(run=_serve)
 
     add_client_commands(commands)
+    add_bench_command(commands)
     return parser
 
 

@@ -12,7 +12,7 @@ raise GatewayError, a grpc.RpcError keeping the status code and details. No torc
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 
 import grpc
 
@@ -40,18 +40,31 @@ def _gateway_error(error: grpc.RpcError) -> GatewayError:
     return GatewayError(error.code(), error.details() or "")
 
 
-def generate_request(text: str = "", *, token_ids: Sequence[int] = (), session: str | None = None,
-                     max_new_tokens: int = 0, temperature: float = 0.0, top_k: int = 0, top_p: float = 0.0,
-                     seed: int | None = None, stop: Sequence[str] = (), stop_token_ids: Sequence[int] = (),
-                     ignore_eos: bool = False, keep_session: bool = False) -> gateway_pb2.GenerateRequest:
+def sampling_params(max_new_tokens: int = 0, temperature: float = 0.0, top_k: int = 0, top_p: float = 0.0,
+                    seed: int | None = None, stop: Sequence[str] = (), stop_token_ids: Sequence[int] = (),
+                    ignore_eos: bool = False) -> common_pb2.SamplingParams:
     """0 means "the server's default" for max_new_tokens, and "off" for top_k and top_p."""
     params = common_pb2.SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p,
                                        max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids,
                                        stop_strings=stop, ignore_eos=ignore_eos)
     if seed is not None:
         params.seed = seed
-    return gateway_pb2.GenerateRequest(text=text, token_ids=token_ids, session=session or "", params=params,
-                                       keep_session=keep_session)
+    return params
+
+
+def generate_request(text: str = "", *, token_ids: Sequence[int] = (), session: str | None = None,
+                     keep_session: bool = False, **params) -> gateway_pb2.GenerateRequest:
+    """`params` as in `sampling_params`."""
+    return gateway_pb2.GenerateRequest(text=text, token_ids=token_ids, session=session or "",
+                                       params=sampling_params(**params), keep_session=keep_session)
+
+
+def chat_request(messages: Sequence[Mapping[str, str]], *, session: str | None = None, keep_session: bool = False,
+                 **params) -> gateway_pb2.ChatRequest:
+    """`messages` as {"role": ..., "content": ...}; `params` as in `sampling_params`."""
+    return gateway_pb2.ChatRequest(messages=[gateway_pb2.ChatMessage(role=m["role"], content=m["content"])
+                                             for m in messages],
+                                   session=session or "", params=sampling_params(**params), keep_session=keep_session)
 
 
 class _Output:
@@ -148,6 +161,12 @@ class Client:
         call = self._stub.Generate(generate_request(text, **options), timeout=self.timeout, metadata=self._metadata)
         return Generation(call)
 
+    def chat(self, messages: Sequence[Mapping[str, str]], **options) -> Generation:
+        """A generation over the model's chat template (options as in `chat_request`); with `session`, the
+        messages are the turns after its last reply."""
+        call = self._stub.Chat(chat_request(messages, **options), timeout=self.timeout, metadata=self._metadata)
+        return Generation(call)
+
     def create_session(self, text: str = "", token_ids: Sequence[int] = ()) -> gateway_pb2.CreateSessionReply:
         return self._unary(self._stub.CreateSession, gateway_pb2.CreateSessionRequest(text=text, token_ids=token_ids))
 
@@ -197,6 +216,10 @@ class AsyncClient:
 
     def generate(self, text: str = "", **options) -> AsyncGeneration:
         call = self._stub.Generate(generate_request(text, **options), timeout=self.timeout, metadata=self._metadata)
+        return AsyncGeneration(call)
+
+    def chat(self, messages: Sequence[Mapping[str, str]], **options) -> AsyncGeneration:
+        call = self._stub.Chat(chat_request(messages, **options), timeout=self.timeout, metadata=self._metadata)
         return AsyncGeneration(call)
 
     async def create_session(self, text: str = "", token_ids: Sequence[int] = ()) -> gateway_pb2.CreateSessionReply:

@@ -88,7 +88,17 @@ def _generate(args: argparse.Namespace, client: Client) -> None:
     except KeyboardInterrupt:
         generation.cancel()
         raise SystemExit(130) from None
+    except GatewayError:
+        if generation.text and not args.json:
+            print(flush=True)  # the partial text ends its line; _guarded prints the status and message
+        raise
     summary = generation.summary
+    if summary is None or summary.stop_reason == common_pb2.STOP_REASON_ERROR:  # NOTE: older gateways sent these
+        if generation.text and not args.json:
+            print(flush=True)
+        print(f"error: the generation failed after {len(generation.token_ids)} tokens (no status from the gateway)",
+              file=sys.stderr)
+        raise SystemExit(1)
     stop_reason = common_pb2.StopReason.Name(summary.stop_reason).removeprefix("STOP_REASON_").lower()
     if args.json:
         print(json.dumps({

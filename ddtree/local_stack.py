@@ -19,7 +19,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from proto.serving import BindError, check_bindable
 
-TINY_MODEL_DIR = Path(os.environ.get("DDTREE_CACHE", Path.home() / ".cache" / "ddtree")) / "tiny-model"
+# NOTE: the suffix changes with the tiny model's files (2: a chat template), so an older cache is not reused.
+TINY_MODEL_DIR = Path(os.environ.get("DDTREE_CACHE", Path.home() / ".cache" / "ddtree")) / "tiny-model-2"
 SERVICES = ("verifier", "drafter", "gateway")
 
 
@@ -40,11 +41,13 @@ FORWARDED = (
     Forwarded("--tree-budget", ("verifier",), int, "draft tree nodes per step"),
     Forwarded("--draft-timeout-s", ("verifier",), float, "how long a step waits for its draft"),
     Forwarded("--session-lease-s", ("verifier",), float, "a session no gateway renews is released after this"),
-    Forwarded("--attention", ("verifier",), str, "torch | triton"),
+    Forwarded("--attention", ("verifier",), str, "auto | torch | triton"),
     Forwarded("--no-cuda-graphs", ("verifier",), bool, "run every forward eagerly"),
     Forwarded("--dtype", ("verifier", "drafter"), str, "float32 | float16 | bfloat16 (default: the checkpoint's)"),
     Forwarded("--verifier-metrics-port", ("verifier",), int, "the verifier's Prometheus port", to="--metrics-port"),
     Forwarded("--context-window", ("drafter",), int, "the drafter's context window W; 0 = unlimited"),
+    Forwarded("--http-listen", ("gateway",), str, "the OpenAI-compatible HTTP API's host:port (default: 127.0.0.1 "
+              "on a free port; '' = off)"),
     Forwarded("--session-ttl-s", ("gateway",), float, "idle time before a session is released"),
     Forwarded("--api-keys-file", ("gateway",), str, "one API key per line; absent: no auth"),
     Forwarded("--metrics-port", ("gateway",), int, "the gateway's Prometheus port"),
@@ -113,6 +116,13 @@ def last_line(log: Path, tail_bytes: int = 4096) -> str:
     return last.split(": error: ", 1)[-1]
 
 
+def _http_listen(gateway_args: tuple[str, ...]) -> str:
+    """The gateway's HTTP address: the `--http-listen` among its arguments (as `ddtree serve` forwards it), else
+    loopback on a free port."""
+    words = list(gateway_args)
+    return words[words.index("--http-listen") + 1] if "--http-listen" in words else f"127.0.0.1:{free_port()}"
+
+
 def ensure_tiny_model() -> tuple[Path, Path]:
     """The built-in model: made once (seeded, deterministic), then reused."""
     target, drafter = TINY_MODEL_DIR / "target", TINY_MODEL_DIR / "dflash"
@@ -137,6 +147,7 @@ class LocalStack:
     log_dir: Path | str | None = None  # created if missing; None: a new temporary directory
     processes: dict[str, subprocess.Popen] = field(default_factory=dict)
     addresses: dict[str, str] = field(default_factory=dict)
+    http_url: str | None = None  # the gateway's OpenAI-compatible API (base URL, .../v1) once started; None: off
     commands: dict[str, list[str]] = field(default_factory=dict)  # what each process was started with
 
     def __post_init__(self) -> None:
@@ -174,8 +185,10 @@ class LocalStack:
             self.addresses["verifier"] = verifier
             self._spawn("verifier", "verifier_service.server", "--target", self.target, "--listen", verifier,
                         "--drafters", ",".join(drafter_addresses), "--device", self.device, *self.verifier_args)
-            self._spawn("gateway", "gateway.server", "--listen", self.gateway_listen, "--verifiers", verifier,
-                        "--tokenizer", self.target, *self.gateway_args)
+            http = _http_listen(self.gateway_args)
+            self._spawn("gateway", "gateway.server", "--listen", self.gateway_listen, "--http-listen", http,
+                        "--verifiers", verifier, "--tokenizer", self.target, *self.gateway_args)
+            self.http_url = f"http://{http}/v1" if http else None
             self.addresses["gateway"] = self.gateway_listen
             for name, address in self.addresses.items():
                 self._wait_healthy(name, address, timeout_s)

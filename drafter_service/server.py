@@ -8,10 +8,12 @@ import os
 import socket
 import sys
 
+from prometheus_client import CollectorRegistry, Gauge, ProcessCollector
+
 from drafter_service.drafter import Drafter
 from drafter_service.servicer import DrafterServicer
 from proto import drafter_pb2, drafter_pb2_grpc
-from proto.serving import ServiceServer, server_options, service_main
+from proto.serving import ServiceServer, serve_metrics, server_options, service_main
 
 SERVICE_NAME = drafter_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name
 
@@ -28,7 +30,23 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--ngram-min", type=int, default=1)
     parser.add_argument("--ngram-max", type=int, default=4)
     parser.add_argument("--replica-id", default=f"{socket.gethostname()}:{os.getpid()}")
+    parser.add_argument("--metrics-port", type=int, default=0, help="Prometheus port; 0 = off")
+    parser.add_argument("--metrics-addr", default="127.0.0.1", help="address of the metrics port (0.0.0.0: all)")
     return parser
+
+
+def drafter_metrics(servicer: DrafterServicer) -> CollectorRegistry:
+    """A replica's gauges, read when scraped, and its process's CPU and memory. Trees, stalls and re-seeds per
+    replica are counted where they are seen: in the verifiers (ddtree_verifier_*)."""
+    registry = CollectorRegistry()
+    ProcessCollector(registry=registry)
+    Gauge("ddtree_drafter_open_sessions", "Session mirrors held", registry=registry).set_function(
+        lambda: len(servicer.open_ids))
+    Gauge("ddtree_drafter_streams", "Verifier streams connected", registry=registry).set_function(
+        lambda: len(servicer.streams))
+    Gauge("ddtree_drafter_queued_steps", "Draft steps waiting for the next batch", registry=registry).set_function(
+        lambda: len(servicer.queued))
+    return registry
 
 
 def load_drafter(drafter: str, target: str | None, device: str = "cpu", dtype: str | None = None,
@@ -57,6 +75,8 @@ async def serve(args: argparse.Namespace) -> None:
     # how long a verifier keeps a connection to an address that DNS no longer lists.
     server = ServiceServer(SERVICE_NAME, drafter_pb2_grpc.add_DrafterServicer_to_server, servicer, args.listen,
                            server_options(max_connection_age_s=300.0))
+    if args.metrics_port:
+        serve_metrics(drafter_metrics(servicer), args.metrics_port, args.metrics_addr)
     servicer.start()
     await server.start()
     logging.info("drafter %s (%s) listening on port %d", args.replica_id, servicer.drafter.info.kind, server.port)

@@ -10,6 +10,9 @@ class GatewayConfig:
     verifiers: tuple[str, ...]  # addresses; a new session goes to the one with the most free KV pages
     tokenizer_dir: str  # the target checkpoint's directory (its tokenizer.json)
     listen: str = "[::]:50051"
+    # The OpenAI-compatible HTTP API (host:port), on the same event loop as gRPC; "" = off. Off unless asked:
+    # an HTTP port is one more thing a deployment must decide to publish.
+    http_listen: str = ""
     metrics_port: int = 0  # Prometheus over HTTP; 0 = off
     metrics_addr: str = "127.0.0.1"  # loopback unless told otherwise
     session_idle_ttl_s: float = 600.0

@@ -7,14 +7,24 @@ import grpc
 
 from proto.status import InvalidArgument, SessionBusy, SessionNotFound, Status, StatusError, TooManySessions
 
-__all__ = ["InvalidArgument", "NoVerifier", "QuotaExceeded", "SessionBusy", "SessionForbidden", "SessionNotFound",
-           "TooManySessions", "Unauthenticated", "verifier_status"]
+__all__ = ["InvalidArgument", "ModelNotFound", "NoVerifier", "PromptTooLong", "QuotaExceeded", "SessionBusy",
+           "SessionForbidden", "SessionNotFound", "TooManySessions", "Unauthenticated", "verifier_status"]
 
 
 class Unauthenticated(StatusError):
     """Keys are on and the call carries no key, or an unknown one."""
 
     code = grpc.StatusCode.UNAUTHENTICATED
+
+
+class PromptTooLong(InvalidArgument):
+    """The prompt cannot fit the model's context: INVALID_ARGUMENT over gRPC, 413 over HTTP."""
+
+
+class ModelNotFound(StatusError):
+    """An HTTP request names a model this gateway does not serve."""
+
+    code = grpc.StatusCode.NOT_FOUND
 
 
 class SessionForbidden(StatusError):

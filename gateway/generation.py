@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 from gateway.metrics import GatewayMetrics
 from gateway.text import OutputText
-from proto import gateway_pb2, verifier_pb2
+from proto import common_pb2, gateway_pb2, verifier_pb2
 
 
 class Relay:
@@ -23,6 +23,7 @@ class Relay:
         self.first_token_at: float | None = None
         self.last_step_at = started
         self.session_tokens = 0
+        self.last_token: int | None = None
         self.stop_reason: int | None = None  # until a step says it finished
 
     def chunk(self, step: verifier_pb2.VerifierGenerateStep) -> gateway_pb2.GenerateReply:
@@ -36,11 +37,18 @@ class Relay:
         self.acceptance_sum += step.acceptance_length
         self.last_step_at = now
         self.session_tokens = step.num_tokens
+        if step.token_ids:
+            self.last_token = step.token_ids[-1]
         if step.finished:
             self.stop_reason = step.stop_reason
         chunk = gateway_pb2.GenerateChunk(text=self.text.push(step.token_ids, final=step.finished),
                                           token_ids=step.token_ids, acceptance_length=step.acceptance_length)
         return gateway_pb2.GenerateReply(chunk=chunk)
+
+    @property
+    def stop_token(self) -> int | None:
+        """The token that ended the generation when a stop token did (EOS or one of stop_token_ids)."""
+        return self.last_token if self.stop_reason == common_pb2.STOP_REASON_STOP_TOKEN else None
 
     def summary(self, handle: str, prompt_tokens: int) -> gateway_pb2.GenerateReply:
         now = self.clock()

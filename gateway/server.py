@@ -1,4 +1,5 @@
-"""Starting the gateway: gRPC server (Gateway, health, reflection), metrics over HTTP, housekeeping."""
+"""Starting the gateway: gRPC server (Gateway, health, reflection), the OpenAI-compatible HTTP API, metrics over
+HTTP, housekeeping."""
 
 from __future__ import annotations
 
@@ -11,14 +12,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+from aiohttp import web
 from grpc_health.v1 import health, health_pb2
 
 from gateway.auth import ApiKeys
+from gateway.chat_template import ChatTemplate
 from gateway.config import GatewayConfig
+from gateway.http_api import HttpApi, serve_http
 from gateway.metrics import GatewayMetrics
 from gateway.service import GatewayService
 from gateway.servicer import GatewayServicer
 from gateway.verifiers import VerifierPool
+from gateway.watchdog import wait_for_termination_signal_watching
 from modeling.tokenizer import Tokenizer
 from proto import gateway_pb2, gateway_pb2_grpc
 from proto.serving import (
@@ -28,12 +33,12 @@ from proto.serving import (
     new_server,
     run_service,
     server_options,
-    wait_for_termination_signal,
 )
 
 log = logging.getLogger(__name__)
 
 GATEWAY_SERVICE = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
+STOP_GRACE_S = 5.0  # running calls may finish within this when the gateway stops (gRPC and HTTP)
 
 
 @dataclass
@@ -43,11 +48,15 @@ class RunningGateway:
     service: GatewayService
     metrics_http: object | None  # the /metrics HTTP server, when on
     housekeeping: asyncio.Task
+    http: web.AppRunner | None = None  # the OpenAI-compatible API, when on
+    http_port: int | None = None
 
-    async def stop(self, grace_s: float | None = 5.0) -> None:
+    async def stop(self, grace_s: float | None = STOP_GRACE_S) -> None:
         self.housekeeping.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await self.housekeeping
+        if self.http is not None:
+            await self.http.cleanup()
         await self.server.stop(grace_s)
         if self.metrics_http is not None:
             self.metrics_http.shutdown()
@@ -60,18 +69,23 @@ async def start(config: GatewayConfig, keys: ApiKeys) -> RunningGateway:
     metrics = GatewayMetrics()
     pool = VerifierPool(config.verifiers, channel_options(config.max_message_bytes, config.verifier_keepalive_s,
                                                           config.verifier_keepalive_timeout_s))
-    service = GatewayService(config, pool, Tokenizer.from_dir(config.tokenizer_dir), metrics)
+    service = GatewayService(config, pool, Tokenizer.from_dir(config.tokenizer_dir), metrics,
+                             chat_template=ChatTemplate.from_dir(config.tokenizer_dir))
     server = new_server(server_options(config.max_message_bytes, config.max_connection_age_s,
                                        config.max_connection_age_grace_s))
     gateway_pb2_grpc.add_GatewayServicer_to_server(GatewayServicer(service, keys), server)
     health_servicer = add_health_and_reflection(server, [GATEWAY_SERVICE])
     await _refresh(service, health_servicer)
     port = bind(server, config.listen)
+    http, http_port = None, None
+    if config.http_listen:
+        http, http_port = await serve_http(HttpApi(service, keys), config.http_listen, STOP_GRACE_S)
     metrics_http = metrics.serve_http(config.metrics_port, config.metrics_addr) if config.metrics_port else None
     await server.start()
     housekeeping = asyncio.create_task(_housekeep(service, health_servicer, config.housekeeping_interval_s))
-    log.info("gateway listening on %s (port %d), verifiers %s", config.listen, port, ", ".join(config.verifiers))
-    return RunningGateway(server, port, service, metrics_http, housekeeping)
+    log.info("gateway listening on %s (port %d), HTTP %s, verifiers %s", config.listen, port,
+             config.http_listen or "off", ", ".join(config.verifiers))
+    return RunningGateway(server, port, service, metrics_http, housekeeping, http, http_port)
 
 
 async def _refresh(service: GatewayService, health_servicer: health.aio.HealthServicer) -> None:
@@ -94,8 +108,9 @@ async def _housekeep(service: GatewayService, health_servicer: health.aio.Health
 async def serve(config: GatewayConfig, keys: ApiKeys) -> None:
     """Run until SIGINT or SIGTERM, then stop with a grace period for running calls."""
     gateway = await start(config, keys)
-    print(f"gateway listening on port {gateway.port}", flush=True)
-    await wait_for_termination_signal()
+    http = f", HTTP on port {gateway.http_port}" if gateway.http is not None else ""
+    print(f"gateway listening on port {gateway.port}{http}", flush=True)
+    await wait_for_termination_signal_watching(gateway.service.pool)  # exits when no verifier serves for long
     await gateway.stop()
 
 
@@ -111,8 +126,11 @@ def build_parser() -> argparse.ArgumentParser:
     d = GatewayConfig
     p = argparse.ArgumentParser(prog="ddtree-gateway", description="the public gRPC gateway of ddtree-serve")
     p.add_argument("--listen", default=d.listen, help="gRPC address to bind")
+    p.add_argument("--http-listen", default=d.http_listen,
+                   help="address of the OpenAI-compatible HTTP API, host:port (e.g. 127.0.0.1:8000); empty = off")
     p.add_argument("--verifiers", required=True, help="verifier addresses, comma separated")
-    p.add_argument("--tokenizer", required=True, help="checkpoint directory holding tokenizer.json")
+    p.add_argument("--tokenizer", required=True,
+                   help="checkpoint directory holding tokenizer.json (and the chat template, if it has one)")
     p.add_argument("--api-keys-file", help="file with one API key per line; absent: no auth")
     p.add_argument("--session-ttl-s", type=float, default=d.session_idle_ttl_s, help="idle time before release")
     p.add_argument("--max-sessions-per-key", type=int, default=d.max_sessions_per_key)
@@ -139,7 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
 def config_from_args(args: argparse.Namespace) -> GatewayConfig:
     return GatewayConfig(
         verifiers=tuple(a.strip() for a in args.verifiers.split(",") if a.strip()),
-        tokenizer_dir=args.tokenizer, listen=args.listen, metrics_port=args.metrics_port,
+        tokenizer_dir=args.tokenizer, listen=args.listen, http_listen=args.http_listen, metrics_port=args.metrics_port,
         metrics_addr=args.metrics_addr, session_idle_ttl_s=args.session_ttl_s,
         max_sessions_per_key=args.max_sessions_per_key, max_new_tokens_limit=args.max_new_tokens_limit,
         default_max_new_tokens=args.default_max_new_tokens, max_message_bytes=args.max_message_bytes,

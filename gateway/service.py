@@ -9,17 +9,20 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from importlib import metadata
+from typing import TypeVar
 
 import grpc
 
 from gateway import validation
+from gateway.chat_template import ChatTemplate
 from gateway.config import GatewayConfig
-from gateway.errors import NoVerifier, QuotaExceeded, SessionBusy, SessionNotFound, TooManySessions
+from gateway.errors import InvalidArgument, NoVerifier, QuotaExceeded, SessionBusy, SessionNotFound, TooManySessions
 from gateway.generation import Relay
 from gateway.metrics import GatewayMetrics
 from gateway.sessions import SessionEntry, SessionRegistry
@@ -29,6 +32,7 @@ from modeling.tokenizer import Tokenizer
 from proto import common_pb2, gateway_pb2, verifier_pb2
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -47,10 +51,11 @@ def _version() -> str:
 
 class GatewayService:
     def __init__(self, config: GatewayConfig, pool: VerifierPool, tokenizer: Tokenizer, metrics: GatewayMetrics,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, chat_template: ChatTemplate | None = None):
         self.config = config
         self.pool = pool
         self.tokenizer = tokenizer
+        self.chat_template = chat_template  # None: the model has none, and chat requests are refused
         self.metrics = metrics
         self.registry = SessionRegistry(config.session_idle_ttl_s, config.max_sessions_per_key, clock=clock)
         self._clock = clock
@@ -60,22 +65,44 @@ class GatewayService:
 
     # -- the edge's checks, against the model the verifiers serve
 
+    def caller(self, owner: str | None, peer: str, timeout: float | None) -> Caller:
+        """Who calls, over gRPC or HTTP: `owner` from its API key, `peer` its address without the port."""
+        return Caller(owner, peer if self.config.quota_by == "peer" else owner, timeout)
+
     async def prompt(self, text: str, token_ids: Sequence[int], required: bool) -> list[int]:
         """The prompt's ids: oversized text is refused by its length alone, the rest tokenized off the loop."""
         model = self._known_model()
-        max_context = model.max_context if model else None
-        validation.check_prompt_text(text, token_ids, self._prompt_byte_limit(max_context))
+        validation.check_prompt_text(text, token_ids, self._prompt_byte_limit())
         if text:
-            loop = asyncio.get_running_loop()
-            token_ids = await loop.run_in_executor(self._tokenizing, self.tokenizer.encode, text)
+            token_ids = await self._off_loop(self.tokenizer.encode, text)
         return validation.prompt_ids(token_ids, required=required, vocab_size=model.vocab_size if model else None,
-                                   max_context=max_context)
+                                   max_context=model.max_context if model else None)
 
-    def _prompt_byte_limit(self, max_context: int | None) -> int | None:
+    async def chat_prompt(self, caller: Caller, messages: Sequence[Mapping[str, str]], handle: str) -> list[int]:
+        """The prompt of a chat turn: `messages` in the model's chat template with the generation prompt. With a
+        session, they are the turns after its last reply (ChatTemplate.continuation), appended to it."""
+        if self.chat_template is None:
+            raise InvalidArgument("messages: the model has no chat template (chat_template in tokenizer_config.json "
+                                  "or chat_template.jinja); send the prompt as text instead")
+        validation.check_messages(messages, self._prompt_byte_limit())
+        if handle:
+            stop_token = self.registry.peek(handle, caller.owner).stop_token
+            reply_end = "" if stop_token is None else self.tokenizer.decode([stop_token])
+            render = functools.partial(self.chat_template.continuation, messages, reply_end)
+        else:
+            render = functools.partial(self.chat_template.render, messages, add_generation_prompt=True)
+        return await self.prompt(await self._off_loop(render), (), required=True)
+
+    async def _off_loop(self, work: Callable[..., T], *args: object) -> T:
+        """Tokenizing and template rendering take long over long text: they run in the tokenizer threads."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizing, work, *args)
+
+    def _prompt_byte_limit(self) -> int | None:
         if self.config.max_prompt_bytes:
             return self.config.max_prompt_bytes
+        model = self._known_model()
         # NOTE: a token spells at most `_token_bytes` bytes; x2 for normalizers that shrink text (NFC).
-        return None if max_context is None else 2 * max_context * self._token_bytes
+        return None if model is None else 2 * model.max_context * self._token_bytes
 
     def params(self, params: common_pb2.SamplingParams) -> common_pb2.SamplingParams:
         model = self._known_model()
@@ -100,6 +127,7 @@ class GatewayService:
             verifier_pb2.VerifierForkSessionRequest(session_id=parent.verifier_session_id),
             timeout=self._call_timeout(caller))
         entry = await self._register(caller, parent.verifier, forked)
+        entry.stop_token = parent.stop_token
         return self._info(entry, forked)
 
     async def release_session(self, caller: Caller, handle: str) -> None:
@@ -127,12 +155,16 @@ class GatewayService:
     # -- generation
 
     async def generate(self, caller: Caller, prompt: list[int], params: common_pb2.SamplingParams, handle: str,
-                       keep_session: bool) -> AsyncIterator[gateway_pb2.GenerateReply]:
+                       keep_session: bool, fork: bool = False) -> AsyncIterator[gateway_pb2.GenerateReply]:
         """Chunks, then the summary. Without `handle` the prompt goes to a fresh session (held under a
-        handle while it runs, so it counts against the key's limits); with one, it is appended. A failure
-        after the first chunk ends the stream with its status: the chunks sent before it stand (exact)."""
+        handle while it runs, so it counts against the key's limits); with one, it is appended; with `fork`,
+        it is appended to a fork of it, which is kept with `keep_session` (the parent stays as it was). A
+        failure after the first chunk ends the stream with its status: the chunks sent before it stand (exact)."""
         started = self._clock()
-        if handle:
+        if handle and fork:
+            handle = (await self.fork_session(caller, handle)).session
+            append, keep = prompt, keep_session
+        elif handle:
             append, keep = prompt, True
         else:
             handle = (await self.create_session(caller, prompt)).session.session
@@ -153,6 +185,7 @@ class GatewayService:
                     call.cancel()  # a no-op once the stream ended; stops the verifier when we were cancelled
                     entry.reserved = 0
                     entry.tokens = relay.session_tokens or entry.tokens
+                    entry.stop_token = relay.stop_token
                 if relay.stop_reason is None:
                     raise NoVerifier("the verifier ended the generation without a stop reason; retry")
         finally:

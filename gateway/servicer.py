@@ -46,6 +46,16 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             yield reply
 
     @_maps_errors
+    async def Chat(self, request: gateway_pb2.ChatRequest,
+                   context: grpc.aio.ServicerContext) -> AsyncIterator[gateway_pb2.GenerateReply]:
+        caller = self._caller(context)
+        messages = [{"role": m.role, "content": m.content} for m in request.messages]
+        prompt = await self.service.chat_prompt(caller, messages, request.session)
+        params = self.service.params(request.params)
+        async for reply in self.service.generate(caller, prompt, params, request.session, request.keep_session):
+            yield reply
+
+    @_maps_errors
     async def CreateSession(self, request: gateway_pb2.CreateSessionRequest,
                             context: grpc.aio.ServicerContext) -> gateway_pb2.CreateSessionReply:
         caller = self._caller(context)
@@ -86,5 +96,4 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 
     def _caller(self, context: grpc.aio.ServicerContext) -> Caller:
         owner = self.keys.authenticate(context.invocation_metadata() or ())
-        account = peer_host(context.peer()) if self.service.config.quota_by == "peer" else owner
-        return Caller(owner, account, context.time_remaining())
+        return self.service.caller(owner, peer_host(context.peer()), context.time_remaining())

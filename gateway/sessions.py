@@ -33,6 +33,9 @@ class SessionEntry:
     tokens: int = 0  # the session's length as the verifier last reported it
     reserved: int = 0  # tokens a running generation may still add (appended text + max_new_tokens)
     in_use: int = 0  # calls running on the session now; it never expires while > 0
+    # The stop token that ended the last generation on it, if one did: its text closes the model's turn, which a
+    # chat continuing the session must not close again (GatewayService.chat_prompt).
+    stop_token: int | None = None
 
     @property
     def kv_tokens(self) -> int:

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from gateway.config import GatewayConfig
-from gateway.errors import InvalidArgument
+from gateway.errors import InvalidArgument, PromptTooLong
 from proto import common_pb2
 
 
@@ -17,7 +17,20 @@ def check_prompt_text(text: str, token_ids: Sequence[int], max_bytes: int | None
         raise InvalidArgument("text, token_ids: give one of them, not both")
     size = len(text.encode())
     if max_bytes is not None and size > max_bytes:
-        raise InvalidArgument(f"text: {size} bytes cannot fit the model's context (at most {max_bytes})")
+        raise PromptTooLong(f"text: {size} bytes cannot fit the model's context (at most {max_bytes})")
+
+
+def check_messages(messages: Sequence[Mapping[str, str]], max_bytes: int | None) -> None:
+    """A chat's cheap checks before its template runs: some messages, each with a role, and not more bytes of
+    content than a prompt that fits can have."""
+    if not messages:
+        raise InvalidArgument("messages: at least one message is needed")
+    for i, message in enumerate(messages):
+        if not message["role"]:
+            raise InvalidArgument(f"messages[{i}].role: empty")
+    size = sum(len(m["content"].encode()) for m in messages)
+    if max_bytes is not None and size > max_bytes:
+        raise PromptTooLong(f"messages: {size} bytes of content cannot fit the model's context (at most {max_bytes})")
 
 
 def prompt_ids(ids: Sequence[int], *, required: bool, vocab_size: int | None,
@@ -30,7 +43,7 @@ def prompt_ids(ids: Sequence[int], *, required: bool, vocab_size: int | None,
     if bad is not None:
         raise InvalidArgument(f"token_ids: {bad} is not a token id of the model (vocabulary {vocab_size})")
     if max_context is not None and len(ids) >= max_context:
-        raise InvalidArgument(f"text/token_ids: {len(ids)} tokens do not fit the model's context of {max_context}")
+        raise PromptTooLong(f"text/token_ids: {len(ids)} tokens do not fit the model's context of {max_context}")
     return ids
 
 

@@ -19,6 +19,10 @@ from modeling.config import ModelConfig, parse_dtype, read_config_json
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>")
 EOS_TOKEN = "<|endoftext|>"
 MASK_TOKEN = "<|mask|>"
+# ChatML, as Qwen's checkpoints write it, so that the tiny model serves chat too.
+CHAT_TEMPLATE = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
+                 "'<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
+                 "{% endif %}")
 
 TINY_TARGET_CONFIG = {
     "architectures": ["Qwen3ForCausalLM"],
@@ -111,9 +115,10 @@ QWEN3_06B_SHAPE = {"hidden_size": 1024, "intermediate_size": 3072, "num_hidden_l
 
 
 def make_tiny_target(path: str | Path, seed: int = 0, shape: dict | None = None, arch: str = "qwen3") -> Path:
-    """Write config.json, two safetensors shards + index, tokenizer.json into `path`. `arch` is a key of
-    TINY_CONFIGS; `shape` overrides config fields (a bigger random model with the same byte-level tokenizer,
-    e.g. for GPU benchmarks; its `torch_dtype` is the dtype the weights are saved in)."""
+    """Write config.json, two safetensors shards + index, tokenizer.json and tokenizer_config.json (with a ChatML
+    chat template) into `path`. `arch` is a key of TINY_CONFIGS; `shape` overrides config fields (a bigger random
+    model with the same byte-level tokenizer, e.g. for GPU benchmarks; its `torch_dtype` is the dtype the weights
+    are saved in)."""
     if arch not in TINY_CONFIGS:
         raise ValueError(f"arch must be one of {sorted(TINY_CONFIGS)}, got {arch!r}")
     path = Path(path)
@@ -125,7 +130,8 @@ def make_tiny_target(path: str | Path, seed: int = 0, shape: dict | None = None,
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     save_sharded(tensors, path, max_shard_bytes=total // 2 + 1)
     byte_level_tokenizer().save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": EOS_TOKEN, "model_max_length": 8192}))
+    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": EOS_TOKEN, "model_max_length": 8192,
+                                                            "chat_template": CHAT_TEMPLATE}))
     return path
 
 

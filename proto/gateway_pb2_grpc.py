@@ -39,6 +39,11 @@ class GatewayStub:
                 request_serializer=proto_dot_gateway__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=proto_dot_gateway__pb2.GenerateReply.FromString,
                 _registered_method=True)
+        self.Chat = channel.unary_stream(
+                '/ddtree.v1.Gateway/Chat',
+                request_serializer=proto_dot_gateway__pb2.ChatRequest.SerializeToString,
+                response_deserializer=proto_dot_gateway__pb2.GenerateReply.FromString,
+                _registered_method=True)
         self.CreateSession = channel.unary_unary(
                 '/ddtree.v1.Gateway/CreateSession',
                 request_serializer=proto_dot_gateway__pb2.CreateSessionRequest.SerializeToString,
@@ -85,6 +90,15 @@ class GatewayServicer:
         new text. A cancelled call stops generation within one step. A failure after the first chunk
         ends the stream with its status (UNAVAILABLE when the verifier is lost); the chunks before it
         stand.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Chat(self, request, context):
+        """Generate over the model's chat template: the messages rendered with the generation prompt are the
+        prompt, or, with a session, the turns that follow its last reply. INVALID_ARGUMENT naming
+        `messages` when the model has no chat template or the template refuses them.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -141,6 +155,11 @@ def add_GatewayServicer_to_server(servicer, server):
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
                     request_deserializer=proto_dot_gateway__pb2.GenerateRequest.FromString,
+                    response_serializer=proto_dot_gateway__pb2.GenerateReply.SerializeToString,
+            ),
+            'Chat': grpc.unary_stream_rpc_method_handler(
+                    servicer.Chat,
+                    request_deserializer=proto_dot_gateway__pb2.ChatRequest.FromString,
                     response_serializer=proto_dot_gateway__pb2.GenerateReply.SerializeToString,
             ),
             'CreateSession': grpc.unary_unary_rpc_method_handler(
@@ -205,6 +224,33 @@ class Gateway:
             target,
             '/ddtree.v1.Gateway/Generate',
             proto_dot_gateway__pb2.GenerateRequest.SerializeToString,
+            proto_dot_gateway__pb2.GenerateReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Chat(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/ddtree.v1.Gateway/Chat',
+            proto_dot_gateway__pb2.ChatRequest.SerializeToString,
             proto_dot_gateway__pb2.GenerateReply.FromString,
             options,
             channel_credentials,

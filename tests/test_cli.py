@@ -197,7 +197,7 @@ SERVE_OPTIONS = ("--kv-budget-mb", "12.5", "--page-size", "16", "--max-context",
                  "--draft-timeout-s", "0.5", "--attention", "triton", "--no-cuda-graphs", "--dtype", "float32",
                  "--verifier-metrics-port", "9101", "--context-window", "256", "--session-ttl-s", "30",
                  "--api-keys-file", "keys.txt", "--metrics-port", "9100", "--max-sessions-per-key", "3",
-                 "--max-new-tokens-limit", "100", "--default-max-new-tokens", "10")
+                 "--max-new-tokens-limit", "100", "--default-max-new-tokens", "10", "--http-listen", "127.0.0.1:8123")
 
 
 def test_forwarded_options_reach_the_child_command_lines(monkeypatch, tmp_path):
@@ -219,6 +219,7 @@ def test_forwarded_options_reach_the_child_command_lines(monkeypatch, tmp_path):
     gateway = build_service_parser("gateway").parse_args(spawned["gateway"])
     assert (gateway.session_ttl_s, gateway.api_keys_file, gateway.metrics_port) == (30.0, "keys.txt", 9100)
     assert (gateway.max_sessions_per_key, gateway.max_new_tokens_limit, gateway.default_max_new_tokens) == (3, 100, 10)
+    assert gateway.http_listen == "127.0.0.1:8123"
 
 
 def test_options_not_given_are_not_forwarded():

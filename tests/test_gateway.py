@@ -11,12 +11,14 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
 import grpc
+import openai
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
@@ -202,8 +204,8 @@ def env(tmp_path_factory: pytest.TempPathFactory):
         stack=stack, fakes=(fake_a, fake_b), tokenizer_dir=tokenizer_dir, metrics_port=metrics_port,
         # two verifiers, no auth, metrics on
         plain=stack.gateway(verifiers=(addr_a, addr_b), metrics_port=metrics_port, **common),
-        # one verifier (fake_a), keys on
-        keyed=stack.gateway(keys=("k-alice", "k-bob"), verifiers=(addr_a,), **common),
+        # one verifier (fake_a), keys on, the HTTP API on
+        keyed=stack.gateway(keys=("k-alice", "k-bob"), verifiers=(addr_a,), http_listen="127.0.0.1:0", **common),
         # one verifier (fake_b), sessions expire fast
         short=stack.gateway(verifiers=(addr_b,), session_idle_ttl_s=0.4, **common),
         # one verifier (fake_b), no auth, quotas per client address, a quarter of the KV each, short prompts
@@ -586,3 +588,44 @@ def test_new_sessions_avoid_a_verifier_that_is_not_serving(env) -> None:
         for fake in env.fakes:
             env.stack.run(fake.health.set("", health_pb2.HealthCheckResponse.SERVING))
         env.stack.run(env.plain.service.refresh())
+
+
+def test_chat_without_a_chat_template_is_invalid_argument_over_grpc_and_http(env) -> None:
+    assert wait_for(lambda: env.keyed.service.pool.up)  # after a test that took its verifier out of service
+    with client(env.keyed, api_key="k-alice") as c:
+        expect_error(Code.INVALID_ARGUMENT, lambda: c.chat([{"role": "user", "content": "hi"}]), "messages: ",
+                     "no chat template")
+    http = openai.OpenAI(base_url=f"http://127.0.0.1:{env.keyed.http_port}/v1", api_key="k-alice", max_retries=0)
+    with pytest.raises(openai.BadRequestError) as caught:
+        http.chat.completions.create(model="fake", messages=[{"role": "user", "content": "hi"}])
+    assert caught.value.body["param"] == "messages" and "no chat template" in caught.value.body["message"]
+
+
+def test_a_failure_after_the_first_chunk_is_the_http_streams_last_event(env) -> None:
+    """As over gRPC: the text before it stands, and the message names no verifier internals."""
+    fake_a = env.fakes[0]
+    http = openai.OpenAI(base_url=f"http://127.0.0.1:{env.keyed.http_port}/v1", api_key="k-alice", max_retries=0)
+    fake_a.fail_mid_stream = True
+    try:
+        stream = http.completions.create(model="fake", prompt="abc", max_tokens=50, stream=True)
+        texts = []
+        with pytest.raises(openai.APIError, match="retry") as caught:
+            for chunk in stream:
+                texts.append(chunk.choices[0].text)
+        with pytest.raises(openai.APIStatusError) as unary:
+            http.completions.create(model="fake", prompt="abc", max_tokens=50)
+    finally:
+        fake_a.fail_mid_stream = False
+    assert "".join(texts) == REPLY[:3] and "GPU" not in str(caught.value)
+    assert unary.value.status_code == 503 and unary.value.body["type"] == "service_unavailable_error"
+    assert wait_for(lambda: not fake_a.sessions)
+
+
+def test_an_http_body_over_the_message_limit_is_413_in_openais_shape(env) -> None:
+    request = urllib.request.Request(f"http://127.0.0.1:{env.keyed.http_port}/v1/completions",
+                                     data=json.dumps({"prompt": "x" * MAX_MESSAGE}).encode(), method="POST",
+                                     headers={"Authorization": "Bearer k-alice"})
+    with pytest.raises(urllib.error.HTTPError) as caught:
+        urllib.request.urlopen(request, timeout=10)
+    assert caught.value.code == 413
+    assert set(json.loads(caught.value.read())["error"]) == {"message", "type", "param", "code"}

@@ -21,6 +21,7 @@ from modeling.config import ModelConfig
 from modeling.tiny import TINY_CONFIGS, make_tiny_drafter, make_tiny_target
 from modeling.tree import DraftTree
 from tests.engine_helpers import CausalAttention, make_engine, plain_generate, run_to_end
+from verifier_service.engine.config import resolve_attention
 from verifier_service.engine.kv_cache import KVCache
 from verifier_service.engine.sampling import SamplingParams
 
@@ -179,3 +180,11 @@ def test_mla_on_the_gpu_with_the_torch_backend(mla_target, mla_dflash, dtype: st
     result = generate_offline(engine, drafter, prompt, PARAMS, tree_budget=15)
     diverged = next((i for i, (a, b) in enumerate(zip(result.token_ids, plain.token_ids)) if a != b), None)
     assert diverged is None if dtype == "float32" else diverged is None or diverged >= 8
+
+
+def test_auto_attention_picks_the_kernels_on_cuda_except_for_mla(mla_target, tiny_target) -> None:
+    mla, dense = ModelConfig.from_dir(mla_target), ModelConfig.from_dir(tiny_target)
+    assert resolve_attention("auto", "cuda", dense) == "triton"
+    assert resolve_attention("auto", "cuda:1", mla) == "torch"
+    assert resolve_attention("auto", "cpu", dense) == "torch"
+    assert resolve_attention("triton", "cpu", dense) == "triton"  # an explicit choice stands

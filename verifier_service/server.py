@@ -5,13 +5,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
 from pathlib import Path
 
+from modeling.config import ModelConfig
 from proto import verifier_pb2, verifier_pb2_grpc
 from proto.serving import ServiceServer, channel_options, server_options, service_main
 from verifier_service.drafter_pool import DrafterPool
-from verifier_service.engine.config import EngineConfig
+from verifier_service.engine.config import ATTENTION_CHOICES, EngineConfig, resolve_attention
 from verifier_service.engine.engine import Engine
 from verifier_service.metrics import VerifierMetrics
 from verifier_service.service import DEFAULT_LEASE_S, VerifierService
@@ -19,6 +21,7 @@ from verifier_service.servicer import VerifierServicer
 from verifier_service.tensor_parallel import TensorParallelGroup
 
 SERVICE_NAME = verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name
+EXIT_CANNOT_SERVE = 3  # the process status after a lost rank (2 is a failed start, as for every service)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -33,7 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="a session no gateway renews (and no generation holds) is released after this long")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default=None, help="float32 | float16 | bfloat16 (default: checkpoint's)")
-    parser.add_argument("--attention", default="torch", choices=["torch", "triton"])
+    parser.add_argument("--attention", default="auto", choices=ATTENTION_CHOICES,
+                        help="auto: triton on CUDA (torch for MLA models), torch on the CPU")
     parser.add_argument("--page-size", type=int, default=64)
     parser.add_argument("--kv-budget-mb", type=float, default=256)
     parser.add_argument("--max-tree-nodes", type=int, default=255)
@@ -48,30 +52,42 @@ def build_parser() -> argparse.ArgumentParser:
                              "on the CPU")
     parser.add_argument("--tp-timeout-s", type=float, default=120.0,
                         help="collective timeout between ranks (a dead rank is noticed sooner: its process exits)")
+    parser.add_argument("--exit-after-failure-s", type=float, default=10.0,
+                        help="after a lost rank the verifier reports NOT_SERVING this long, then exits with status "
+                             f"{EXIT_CANNOT_SERVE} so that a restart policy brings it back; negative: it stays up")
     return parser
 
 
-def engine_config(args: argparse.Namespace, checkpoint_dtype: str) -> EngineConfig:
+def engine_config(args: argparse.Namespace, model: ModelConfig) -> EngineConfig:
     return EngineConfig(page_size=args.page_size, kv_budget_bytes=int(args.kv_budget_mb * (1 << 20)),
                         max_tree_nodes=args.max_tree_nodes, prefill_chunk=args.prefill_chunk,
                         max_batch_tokens=max(2048, args.prefill_chunk), max_context=args.max_context,
-                        dtype=args.dtype or checkpoint_dtype, device=args.device, attention=args.attention,
+                        dtype=args.dtype or model.torch_dtype, device=args.device,
+                        attention=resolve_attention(args.attention, args.device, model),
                         cuda_graphs=not args.no_cuda_graphs)
 
 
-async def fail_when_a_rank_fails(group: TensorParallelGroup, service: VerifierService, server: ServiceServer) -> None:
-    """The watchdog: a dead rank makes the service NOT_SERVING and fails its requests with UNAVAILABLE."""
+async def fail_when_a_rank_fails(group: TensorParallelGroup, service: VerifierService, server: ServiceServer,
+                                 exit_after_s: float) -> None:
+    """The watchdog: a dead rank makes the service NOT_SERVING and fails its requests with UNAVAILABLE; then,
+    unless `exit_after_s` is negative, the process exits after that grace (health checks and the gateway see
+    NOT_SERVING meanwhile). NOTE: the group cannot be rebuilt in place, and Docker restarts a container whose
+    process exited, never one that is merely unhealthy."""
     reason = await group.wait_for_failure()
     logging.error("%s: the verifier stops serving", reason)
     service.fail(reason)
     await server.set_serving(False)
     group.abort()
+    if exit_after_s < 0:
+        return
+    await asyncio.sleep(exit_after_s)
+    logging.error("exiting with status %d for a restart (%s)", EXIT_CANNOT_SERVE, reason)
+    logging.shutdown()
+    os._exit(EXIT_CANNOT_SERVE)  # NOTE: no graceful stop: the engine thread may be stuck in a collective
 
 
 async def serve(args: argparse.Namespace) -> None:
-    from modeling.config import ModelConfig
-
-    config = engine_config(args, ModelConfig.from_dir(args.target).torch_dtype)
+    config = engine_config(args, ModelConfig.from_dir(args.target))
     group = None
     if args.tensor_parallel > 1:
         group = TensorParallelGroup.start(args.target, config, args.tensor_parallel, args.tp_timeout_s)
@@ -92,7 +108,7 @@ async def serve(args: argparse.Namespace) -> None:
     await service.start()
     await server.start()
     if group:
-        watchdog = asyncio.create_task(fail_when_a_rank_fails(group, service, server))
+        watchdog = asyncio.create_task(fail_when_a_rank_fails(group, service, server, args.exit_after_failure_s))
     logging.info("verifier listening on port %d", server.port)
     await server.serve_until_signal(grace_s=2.0)
     await service.stop()

@@ -1,0 +1,171 @@
+"""OpenAI request bodies (JSON) in the gateway's terms: the HTTP edge's `from_pb`.
+
+Only the JSON's shape is checked here (types, fields this server does not implement); ranges and limits are
+gateway/validation.py's, as for gRPC. Every failure is InvalidArgument whose message starts with the OpenAI
+field it is about, which the error reply names as `param`. `names` maps the domain's field names (those
+validation.py's messages start with) to this request's, for the same purpose.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from gateway.errors import InvalidArgument
+from proto import common_pb2
+
+# Fields this server does not implement: a request may send them only with a value that asks for nothing.
+_NO_OP_VALUES: dict[str, tuple[Any, ...]] = {
+    "n": (None, 1), "best_of": (None, 1), "echo": (None, False), "suffix": (None, ""), "logprobs": (None, False),
+    "top_logprobs": (None, 0), "logit_bias": (None, {}), "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
+    "tools": (None, []), "functions": (None, []), "tool_choice": (None, "none", "auto"),
+    "response_format": (None, {"type": "text"}),
+}
+_UINT64 = 2**64
+_INT32 = 2**31
+
+
+@dataclass(frozen=True)
+class OpenAIRequest:
+    """One completion or chat completion request: the prompt (text, token ids or messages), its sampling
+    parameters, how to answer, and the "ddtree" extension (a session to continue, keep or fork)."""
+
+    model: str
+    params: common_pb2.SamplingParams
+    stream: bool
+    include_usage: bool
+    names: Mapping[str, str]
+    text: str = ""
+    token_ids: tuple[int, ...] = ()
+    messages: tuple[dict[str, str], ...] = ()
+    session: str = ""
+    keep_session: bool = False
+    fork: bool = False
+
+
+def completion_request(body: Any) -> OpenAIRequest:
+    """POST /v1/completions: `prompt` is a string or token ids (or a list holding one of them)."""
+    body = _object(body, "request body")
+    text, token_ids = _prompt(body.get("prompt"))
+    return _request(body, "prompt", "max_tokens", text=text, token_ids=token_ids)
+
+
+def chat_request(body: Any) -> OpenAIRequest:
+    """POST /v1/chat/completions: `messages` with text content (a string, or text parts)."""
+    body = _object(body, "request body")
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        raise InvalidArgument("messages: must be a list of messages")
+    max_field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    return _request(body, "messages", max_field, messages=tuple(_message(m, i) for i, m in enumerate(messages)))
+
+
+def _request(body: dict, prompt_field: str, max_field: str, **prompt: Any) -> OpenAIRequest:
+    for name, no_ops in _NO_OP_VALUES.items():
+        if body.get(name) not in no_ops:
+            allowed = " or ".join(json.dumps(v) for v in no_ops)
+            raise InvalidArgument(f"{name}: {json.dumps(body[name])} is not supported (only {allowed})")
+    stream = _typed(body, "stream", bool, False)
+    options = _object(body.get("stream_options") or {}, "stream_options")
+    if options and not stream:
+        raise InvalidArgument("stream_options: only with stream: true")
+    extension = _object(body.get("ddtree") or {}, "ddtree")
+    session = _typed(extension, "session", str, "", "ddtree.")
+    fork = _typed(extension, "fork", bool, False, "ddtree.")
+    if fork and not session:
+        raise InvalidArgument("ddtree.fork: needs ddtree.session, the session to fork")
+    names = {"text": prompt_field, "token_ids": prompt_field, "text/token_ids": prompt_field,
+             "params.temperature": "temperature", "params.top_p": "top_p", "params.max_new_tokens": max_field,
+             "params.stop_strings": "stop", "session": "ddtree.session"}
+    return OpenAIRequest(model=_typed(body, "model", str, ""), params=_params(body, max_field), stream=stream,
+                         include_usage=_typed(options, "include_usage", bool, False, "stream_options."), names=names,
+                         session=session, keep_session=_typed(extension, "keep_session", bool, False, "ddtree."),
+                         fork=fork, **prompt)
+
+
+def _params(body: dict, max_field: str) -> common_pb2.SamplingParams:
+    """OpenAI's defaults where the field is absent: temperature 1 and top_p 1 (sampling); max tokens: the
+    server's default."""
+    stop = body.get("stop")
+    stops = [stop] if isinstance(stop, str) else stop or []
+    if not (isinstance(stops, list) and all(isinstance(s, str) for s in stops)):
+        raise InvalidArgument("stop: must be a string or a list of strings")
+    max_tokens = _integer(body, max_field, 0)
+    if body.get(max_field) is not None and not 0 < max_tokens < _INT32:
+        raise InvalidArgument(f"{max_field}: must be a positive 32-bit integer, got {max_tokens}")
+    params = common_pb2.SamplingParams(temperature=_number(body, "temperature", 1.0), top_p=_number(body, "top_p", 1.0),
+                                       max_new_tokens=max_tokens, stop_strings=stops)
+    seed = _integer(body, "seed", None)
+    if seed is not None:
+        if not 0 <= seed < _UINT64:
+            raise InvalidArgument(f"seed: must be in [0, 2**64), got {seed}")
+        params.seed = seed
+    return params
+
+
+def _prompt(prompt: Any) -> tuple[str, tuple[int, ...]]:
+    """A string, token ids, or a list holding one of them: one prompt per request (OpenAI's batches: no)."""
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return prompt, ()
+    if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return "", tuple(prompt)
+    raise InvalidArgument("prompt: must be a string or a list of token ids (one prompt per request)")
+
+
+def _message(message: Any, i: int) -> dict[str, str]:
+    message = _object(message, f"messages[{i}]")
+    role = message.get("role")
+    if not isinstance(role, str):
+        raise InvalidArgument(f"messages[{i}].role: must be a string")
+    return {"role": role, "content": _content(message.get("content"), f"messages[{i}].content")}
+
+
+def _content(content: Any, name: str) -> str:
+    """A message's text: a string (null as empty), or text parts joined by newlines."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    if not isinstance(content, list):
+        raise InvalidArgument(f"{name}: must be a string or a list of text parts")
+    texts = []
+    for j, part in enumerate(content):
+        if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+            raise InvalidArgument(f"{name}[{j}]: only text parts ({{'type': 'text', 'text': ...}}) are supported")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def _object(value: Any, name: str) -> dict:
+    if not isinstance(value, dict):
+        raise InvalidArgument(f"{name}: must be a JSON object")
+    return value
+
+
+def _typed(body: dict, name: str, kind: type, default: Any, prefix: str = "") -> Any:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, kind):
+        raise InvalidArgument(f"{prefix}{name}: must be a {kind.__name__}")
+    return value
+
+
+def _number(body: dict, name: str, default: float) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidArgument(f"{name}: must be a number")
+    return float(value)
+
+
+def _integer(body: dict, name: str, default: int | None) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidArgument(f"{name}: must be an integer")
+    return value

@@ -1,0 +1,279 @@
+"""The OpenAI-compatible HTTP API through the official `openai` client, against the real local stack on the tiny
+model (gateway, verifier and an n-gram drafter as processes): the same greedy output as gRPC and as plain
+decoding in this process, usage, stop strings, sessions, and the errors in OpenAI's shape."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+
+from ddtree.client import Client
+from ddtree.local_stack import LocalStack, free_port
+from gateway.chat_template import ChatTemplate
+from modeling.tiny import CHAT_TEMPLATE, EOS_TOKEN
+from proto import common_pb2
+from tests.stack_helpers import greedy_reference, verifier_info
+
+MAX_NEW = 24
+KEYS = ("k-alice", "k-bob")
+MAX_SESSIONS = 4
+MAX_CONTEXT = 4096
+CHAT = [{"role": "system", "content": "You answer briefly."}, {"role": "user", "content": "What comes after 41?"}]
+THEN = [{"role": "user", "content": "And after 42?"}]
+PROMPT = "The cat sat on the mat. The cat"
+TEMPLATE = ChatTemplate(CHAT_TEMPLATE)
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_target, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("http-logs")
+    keys = logs / "keys.txt"
+    keys.write_text("\n".join(KEYS) + "\n")
+    stack = LocalStack(str(tiny_target), "ngram", drafters=1, gateway_listen=f"127.0.0.1:{free_port()}",
+                       log_dir=logs, verifier_args=("--page-size", "16", "--max-context", str(MAX_CONTEXT),
+                                                    "--tree-budget", "8"),
+                       gateway_args=("--api-keys-file", str(keys), "--max-sessions-per-key", str(MAX_SESSIONS)))
+    with stack:
+        yield stack
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_target):
+    return greedy_reference(tiny_target, MAX_NEW)
+
+
+def model(stack: LocalStack) -> str:
+    return Path(stack.target).name  # the verifier names the model by its checkpoint directory
+
+
+def oai(stack: LocalStack, key: str = KEYS[0]) -> openai.OpenAI:
+    return openai.OpenAI(base_url=stack.http_url, api_key=key, max_retries=0, timeout=60)
+
+
+def grpc_client(stack: LocalStack, key: str = KEYS[0]) -> Client:
+    return Client(stack.addresses["gateway"], api_key=key, timeout=60)
+
+
+def http(stack: LocalStack, method: str, path: str, key: str | None = KEYS[0], body: bytes | None = None
+         ) -> tuple[int, Any]:
+    """A raw request: (status, JSON body)."""
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    request = urllib.request.Request(stack.http_url.removesuffix("/v1") + path, data=body, method=method,
+                                     headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+def visible(generation) -> str:
+    """A gRPC generation's text as OpenAI's content: without the text of the EOS that ended it."""
+    stopped = generation.summary.stop_reason == common_pb2.STOP_REASON_STOP_TOKEN
+    return generation.text.removesuffix(EOS_TOKEN) if stopped else generation.text
+
+
+def finish_reason(generation) -> str:
+    return "length" if generation.summary.stop_reason == common_pb2.STOP_REASON_LENGTH else "stop"
+
+
+def test_chat_equals_grpc_and_plain_greedy_decoding_streaming_or_not(stack, reference) -> None:
+    generation = grpc_client(stack).chat(CHAT, max_new_tokens=MAX_NEW)
+    generation.result()
+    prompt = reference.encode(TEMPLATE.render(CHAT))
+    assert generation.token_ids == reference(prompt)
+
+    client = oai(stack)
+    reply = client.chat.completions.create(model=model(stack), messages=CHAT, max_tokens=MAX_NEW, temperature=0)
+    (choice,) = reply.choices
+    assert choice.message.role == "assistant" and choice.message.content == visible(generation)
+    assert choice.finish_reason == finish_reason(generation) and reply.object == "chat.completion"
+    assert (reply.usage.prompt_tokens, reply.usage.completion_tokens) == (len(prompt), len(generation.token_ids))
+    assert reply.usage.total_tokens == len(prompt) + len(generation.token_ids)
+    assert reply.usage.prompt_tokens_details.cached_tokens == 0 and reply.model_extra["ddtree"]["session"] is None
+
+    chunks = list(client.chat.completions.create(model=model(stack), messages=CHAT, max_completion_tokens=MAX_NEW,
+                                                 temperature=0, stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks[:-1]) == choice.message.content
+    assert [c.choices[0].finish_reason for c in chunks[:-1]] == [None] * (len(chunks) - 2) + [choice.finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage == reply.usage
+    assert all(c.usage is None for c in chunks[:-1]) and len({c.id for c in chunks}) == 1
+
+
+def test_completions_equal_grpc_for_text_and_token_ids(stack, reference) -> None:
+    generation = grpc_client(stack).generate(PROMPT, max_new_tokens=MAX_NEW)
+    generation.result()
+    assert generation.token_ids == reference(reference.encode(PROMPT))
+    client = oai(stack)
+    for prompt in (PROMPT, reference.encode(PROMPT), [PROMPT]):
+        reply = client.completions.create(model=model(stack), prompt=prompt, max_tokens=MAX_NEW, temperature=0)
+        assert reply.choices[0].text == visible(generation) and reply.object == "text_completion"
+        assert reply.choices[0].finish_reason == finish_reason(generation)
+        assert reply.usage.prompt_tokens == len(reference.encode(PROMPT))
+        assert reply.usage.completion_tokens == len(generation.token_ids)
+    stream = client.completions.create(model=model(stack), prompt=PROMPT, max_tokens=MAX_NEW, temperature=0,
+                                       stream=True)
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks) == visible(generation)
+    assert chunks[-1].choices[0].finish_reason == finish_reason(generation) and chunks[-1].usage is None
+
+
+def test_stop_strings_cut_the_text(stack) -> None:
+    generation = grpc_client(stack).generate(PROMPT, max_new_tokens=40)
+    generation.result()
+    text = visible(generation)
+    stop = next(text[i:i + 2] for i in range(4, len(text) - 2) if text[i:i + 2].isascii()
+                and text[i:i + 2].isprintable())
+    expected = text[:text.index(stop)]
+    client = oai(stack)
+    for stops in (stop, [stop, "never in the output"]):
+        reply = client.completions.create(model=model(stack), prompt=PROMPT, max_tokens=40, temperature=0, stop=stops)
+        assert (reply.choices[0].text, reply.choices[0].finish_reason) == (expected, "stop")
+    chunks = list(client.chat.completions.create(model=model(stack), messages=[{"role": "user", "content": PROMPT}],
+                                                 max_tokens=40, temperature=0, stop=stop, stream=True))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks)
+    assert stop not in text and chunks[-1].choices[0].finish_reason in ("stop", "length")
+
+
+def test_sessions_keep_continue_and_fork_over_http(stack, reference) -> None:
+    """Turn 2 on a session is the turn-1 prompt, its reply as generated and the continuation of the chat, decoded
+    plainly; a fork gets the same and leaves the session as it was."""
+    client, grpc = oai(stack), grpc_client(stack)
+    first = client.chat.completions.create(model=model(stack), messages=CHAT, max_tokens=MAX_NEW, temperature=0,
+                                           extra_body={"ddtree": {"keep_session": True}})
+    handle = first.model_extra["ddtree"]["session"]
+    reply = grpc.chat(CHAT, max_new_tokens=MAX_NEW, keep_session=True)  # the same turn over gRPC: its token ids
+    reply.result()
+    held = reference.encode(TEMPLATE.render(CHAT)) + reply.token_ids
+    assert grpc.get_session(handle).num_tokens == len(held)
+    stop_text = EOS_TOKEN if reply.summary.stop_reason == common_pb2.STOP_REASON_STOP_TOKEN else ""
+    second = grpc.chat(THEN, session=reply.summary.session, max_new_tokens=MAX_NEW)
+    second.result()
+    appended = reference.encode(TEMPLATE.continuation(THEN, stop_text))
+    assert second.token_ids == reference(held + appended)
+
+    fork = client.chat.completions.create(model=model(stack), messages=THEN, max_tokens=MAX_NEW, temperature=0,
+                                          extra_body={"ddtree": {"session": handle, "fork": True}})
+    assert fork.model_extra["ddtree"]["session"] is None  # not kept: released after the reply
+    assert grpc.get_session(handle).num_tokens == len(held)  # the parent is as it was
+    kept_fork = client.chat.completions.create(
+        model=model(stack), messages=THEN, max_tokens=MAX_NEW, temperature=0,
+        extra_body={"ddtree": {"session": handle, "fork": True, "keep_session": True}})
+    continued = client.chat.completions.create(model=model(stack), messages=THEN, max_tokens=MAX_NEW, temperature=0,
+                                               extra_body={"ddtree": {"session": handle}})
+    for turn in (fork, kept_fork, continued):
+        assert turn.choices[0].message.content == visible(second)
+        assert turn.usage.prompt_tokens == len(held + appended)
+        assert turn.usage.prompt_tokens_details.cached_tokens == len(held)
+    assert continued.model_extra["ddtree"]["session"] == handle
+    forked = kept_fork.model_extra["ddtree"]["session"]
+    assert forked not in (None, handle) and grpc.get_session(forked).num_tokens == grpc.get_session(handle).num_tokens
+
+    for session in (handle, forked, reply.summary.session):
+        assert http(stack, "DELETE", f"/v1/sessions/{session}") == (
+            200, {"id": session, "object": "session", "deleted": True})
+    status, body = http(stack, "DELETE", f"/v1/sessions/{handle}")
+    assert status == 404 and body["error"]["code"] == "not_found"
+    assert grpc.list_sessions() == []
+
+
+def api_error(call) -> openai.APIStatusError:
+    with pytest.raises(openai.APIStatusError) as caught:
+        call()
+    return caught.value
+
+
+@pytest.mark.parametrize("request_fields, status, param", [
+    ({"temperature": -1.0}, 400, "temperature"),
+    ({"top_p": 1.5}, 400, "top_p"),
+    ({"max_tokens": 10**6}, 400, "max_tokens"),
+    ({"max_completion_tokens": 10**6}, 400, "max_completion_tokens"),
+    ({"max_tokens": 0}, 400, "max_tokens"),
+    ({"n": 2}, 400, "n"),
+    ({"logprobs": True}, 400, "logprobs"),
+    ({"stop": [""]}, 400, "stop"),
+    ({"messages": []}, 400, "messages"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400,
+     "messages[0].content[0]"),
+    ({"messages": [{"role": "", "content": "hi"}]}, 400, "messages[0].role"),
+    ({"model": "gpt-4o"}, 404, "model"),
+    ({"ddtree": {"session": "0" * 48}}, 404, "ddtree.session"),
+    ({"ddtree": {"fork": True}}, 400, "ddtree.fork"),
+    ({"messages": [{"role": "user", "content": "x" * (MAX_CONTEXT + 10)}]}, 413, "messages"),
+])
+def test_bad_chat_requests_get_their_status_and_name_the_field(stack, request_fields: dict, status: int,
+                                                               param: str) -> None:
+    fields = {"model": model(stack), "messages": CHAT, "max_tokens": 4, **request_fields}
+    extension = {"ddtree": fields.pop("ddtree")} if "ddtree" in fields else None
+    error = api_error(lambda: oai(stack).chat.completions.create(**fields, extra_body=extension))
+    assert error.status_code == status and error.body["param"] == param, error.body
+    assert error.body["message"].startswith(f"{param}: ") and error.body["type"]
+
+
+@pytest.mark.parametrize("prompt, status", [("x" * (MAX_CONTEXT + 10), 413), ([7, -1], 400), (["a", "b"], 400),
+                                            ("", 400)])
+def test_bad_completion_prompts_name_the_field(stack, prompt, status: int) -> None:
+    error = api_error(lambda: oai(stack).completions.create(model=model(stack), prompt=prompt, max_tokens=4))
+    assert error.status_code == status and error.body["param"] == "prompt", error.body
+
+
+def test_keys_sessions_of_other_keys_and_quotas(stack) -> None:
+    error = api_error(lambda: oai(stack, key="k-mallory").models.list())
+    assert error.status_code == 401 and error.body["type"] == "authentication_error"
+    status, body = http(stack, "POST", "/v1/completions", key=None, body=b'{"prompt": "hi"}')
+    assert status == 401 and "authorization" in body["error"]["message"]
+
+    alice, bob = oai(stack), oai(stack, key=KEYS[1])
+    kept = [bob.completions.create(model=model(stack), prompt="hold", max_tokens=2, temperature=0,
+                                   extra_body={"ddtree": {"keep_session": True}}).model_extra["ddtree"]["session"]
+            for _ in range(MAX_SESSIONS)]
+    error = api_error(lambda: alice.completions.create(model=model(stack), prompt=" more", max_tokens=2,
+                                                       extra_body={"ddtree": {"session": kept[0]}}))
+    assert error.status_code == 403 and error.body["param"] == "ddtree.session"
+    error = api_error(lambda: bob.completions.create(model=model(stack), prompt="one too many", max_tokens=2))
+    assert error.status_code == 429 and error.body["type"] == "rate_limit_error" and error.body["param"] is None
+    for session in kept:
+        assert http(stack, "DELETE", f"/v1/sessions/{session}", key=KEYS[1])[0] == 200
+
+
+def test_malformed_bodies_unknown_routes_models_and_health(stack) -> None:
+    for malformed in (b"{not json", b"[1, 2]", b"\xff"):
+        status, body = http(stack, "POST", "/v1/chat/completions", body=malformed)
+        assert status == 400 and body["error"]["message"].startswith("request body: "), body
+    status, body = http(stack, "GET", "/v1/engines")
+    assert status == 404 and set(body["error"]) == {"message", "type", "param", "code"}
+    assert http(stack, "GET", "/health", key=None) == (200, {"status": "ok"})
+    (listed,) = oai(stack).models.list().data
+    assert listed.id == model(stack) and listed.model_extra["max_model_len"] == MAX_CONTEXT
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_a_client_that_leaves_mid_stream_stops_the_generation(stack, keep: bool) -> None:
+    """Closing the stream cancels the request's handler, and so the generation: a one-shot session is released,
+    a kept one stays with what was generated until then."""
+    stream = oai(stack).completions.create(model=model(stack), prompt=PROMPT, max_tokens=3000, temperature=0,
+                                           stream=True, extra_body={"ddtree": {"keep_session": keep}})
+    next(iter(stream))
+    stream.close()
+    grpc = grpc_client(stack)
+
+    def settled() -> bool:
+        sessions = grpc.list_sessions()
+        return not any(s.generating for s in sessions) and len(sessions) == keep
+
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and not settled():
+        time.sleep(0.05)
+    assert settled() and verifier_info(stack).active_sessions == keep
+    if keep:
+        (session,) = grpc.list_sessions()
+        assert session.num_tokens < 3000
+        grpc.release_session(session.session)
