@@ -45,6 +45,8 @@ class GatewayConfig:
     # prompt that fits the model's context can have (its context x the longest token's bytes x 2).
     max_prompt_bytes: int = 0
     tokenizer_threads: int = 2  # tokenization runs here, off the event loop
+    # A gateway with no serving verifier for this long exits (status 3) for its restart policy; 0 = stays up.
+    exit_without_verifier_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.verifiers:

@@ -7,6 +7,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +24,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.service import GatewayService
 from gateway.servicer import GatewayServicer
 from gateway.verifiers import VerifierPool
-from gateway.watchdog import wait_for_termination_signal_watching
+from gateway.watchdog import EXIT_WITHOUT_VERIFIER_ENV, wait_for_termination_signal_watching
 from modeling.tokenizer import Tokenizer
 from proto import gateway_pb2, gateway_pb2_grpc
 from proto.serving import (
@@ -110,7 +111,7 @@ async def serve(config: GatewayConfig, keys: ApiKeys) -> None:
     gateway = await start(config, keys)
     http = f", HTTP on port {gateway.http_port}" if gateway.http is not None else ""
     print(f"gateway listening on port {gateway.port}{http}", flush=True)
-    await wait_for_termination_signal_watching(gateway.service.pool)  # exits when no verifier serves for long
+    await wait_for_termination_signal_watching(gateway.service.pool, config.exit_without_verifier_s)
     await gateway.stop()
 
 
@@ -150,6 +151,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-connection-age-s", type=float, default=d.max_connection_age_s)
     p.add_argument("--metrics-port", type=int, default=d.metrics_port, help="Prometheus HTTP port; 0 = off")
     p.add_argument("--metrics-addr", default=d.metrics_addr, help="address of the metrics port (0.0.0.0: all)")
+    p.add_argument("--exit-without-verifier-s", type=float,
+                   default=float(os.environ.get(EXIT_WITHOUT_VERIFIER_ENV) or d.exit_without_verifier_s),
+                   help="exit (status 3) after no verifier has served this long, for a restart policy; 0 = stay "
+                        f"up (default: ${EXIT_WITHOUT_VERIFIER_ENV}, else 0)")
     p.add_argument("--log-level", default="INFO")
     return p
 
@@ -164,7 +169,8 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         max_connection_age_s=args.max_connection_age_s, quota_by=args.quota_by, kv_share_per_key=args.kv_share_per_key,
         max_prompt_bytes=args.max_prompt_bytes, verifier_call_timeout_s=args.verifier_call_timeout_s,
         prefill_timeout_s=args.prefill_timeout_s, verifier_keepalive_s=args.verifier_keepalive_s,
-        verifier_keepalive_timeout_s=args.verifier_keepalive_timeout_s)
+        verifier_keepalive_timeout_s=args.verifier_keepalive_timeout_s,
+        exit_without_verifier_s=args.exit_without_verifier_s)
 
 
 def main(argv: list[str] | None = None) -> int:

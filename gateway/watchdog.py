@@ -1,7 +1,9 @@
 """The gateway's self-exit: a gateway that has had no serving verifier for longer than a timeout exits with
 status 3, so that a restart policy (compose `restart: unless-stopped`, a Kubernetes pod) brings a fresh one.
 
-The timeout is `DDTREE_GATEWAY_EXIT_WITHOUT_VERIFIER_S` (seconds; unset or 0: the gateway stays up). The clock
+The timeout is `--exit-without-verifier-s` (GatewayConfig.exit_without_verifier_s; its default comes from the
+environment variable `DDTREE_GATEWAY_EXIT_WITHOUT_VERIFIER_S`, which the compose files and manifests set; 0: the
+gateway stays up). The clock
 starts when the last verifier stops serving, and only once one has served: a gateway started before its
 verifiers (still loading) waits for them, since a restart would not bring them sooner.
 """
@@ -21,7 +23,7 @@ from proto.serving import wait_for_termination_signal
 
 log = logging.getLogger(__name__)
 
-TIMEOUT_ENV = "DDTREE_GATEWAY_EXIT_WITHOUT_VERIFIER_S"
+EXIT_WITHOUT_VERIFIER_ENV = "DDTREE_GATEWAY_EXIT_WITHOUT_VERIFIER_S"
 EXIT_NO_VERIFIER = 3
 
 
@@ -56,9 +58,8 @@ async def exit_without_verifier(pool: VerifierPool, timeout_s: float, poll_s: fl
         await asyncio.sleep(poll_s)
 
 
-async def wait_for_termination_signal_watching(pool: VerifierPool) -> None:
+async def wait_for_termination_signal_watching(pool: VerifierPool, timeout_s: float) -> None:
     """proto.serving.wait_for_termination_signal, with the watchdog running meanwhile when the timeout is set."""
-    timeout_s = float(os.environ.get(TIMEOUT_ENV) or 0)
     watchdog = asyncio.create_task(exit_without_verifier(pool, timeout_s)) if timeout_s > 0 else None
     try:
         await wait_for_termination_signal()
