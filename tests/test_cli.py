@@ -32,6 +32,7 @@ from ddtree.local_stack import (
     last_line,
     wait_healthy,
 )
+from proto import common_pb2
 from proto.serving import BindError, bind, channel_options, describe, server_options
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -296,9 +297,22 @@ def test_generate_escapes_what_it_streams_to_a_terminal(monkeypatch):
 
 
 class Generation(list):
-    def __init__(self, chunks: list, summary: SimpleNamespace) -> None:
+    def __init__(self, chunks: list, summary: SimpleNamespace | None) -> None:
         super().__init__(chunks)
         self.summary = summary
+        self.text = "".join(chunk.text for chunk in chunks)
+        self.token_ids = [0] * len(chunks)
+
+
+@pytest.mark.parametrize("summary", [None, SimpleNamespace(stop_reason=common_pb2.STOP_REASON_ERROR)])
+def test_generate_exits_1_when_the_generation_ends_without_a_result(monkeypatch, capsys, summary):
+    """A stream that ends with no summary, or with an error stop, is a failure: status 1 and one line."""
+    client = SimpleNamespace(generate=lambda text, **_: Generation([SimpleNamespace(text="part")], summary))
+    with pytest.raises(SystemExit) as exit_:
+        client_cli._generate(cli.build_parser().parse_args(["generate", "hi"]), client)
+    assert exit_.value.code == 1
+    out, err = capsys.readouterr()
+    assert out == "part\n" and err.strip() == "error: the generation failed after 1 tokens (no status from the gateway)"
 
 
 def test_a_local_stack_without_a_log_dir_logs_to_a_new_temporary_one():
