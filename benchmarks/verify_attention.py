@@ -8,6 +8,8 @@
   into query rows, prefix chunks through aten._scaled_dot_product_flash_attention, tree in torch, LSE merge);
 - roofline: max(K+V bytes / copy bandwidth, FLOPs / bf16 matmul rate), both measured in this run.
 
+`--mla` runs the MLA mode instead (benchmarks/verify_attention_mla.py: latent cache, heads 16..128).
+
 Every method is checked against the torch hybrid before it is timed. Timing: CUDA graph replays through
 `triton.testing.do_bench` (median; it flushes L2 between replays).
 """
@@ -317,6 +319,9 @@ def markdown(rows: list[dict], bw: float, rate: float, command: str) -> str:
 
 
 def main() -> None:
+    if "--mla" in sys.argv:  # the MLA mode: its own problems and methods (benchmarks/verify_attention_mla.py)
+        from benchmarks.verify_attention_mla import main as mla_main
+        return mla_main([arg for arg in sys.argv[1:] if arg != "--mla"])
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out-dir", type=Path, default=Path("benchmarks/results"))
     parser.add_argument("--lengths", type=int, nargs="+", default=[8192, 32768, 65536, 131072])

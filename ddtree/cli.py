@@ -68,7 +68,7 @@ def _run_offline(args: argparse.Namespace) -> OfflineResult:
     model = ModelConfig.from_dir(args.target)
     engine = Engine.from_checkpoint(args.target, EngineConfig(
         page_size=args.page_size, kv_budget_bytes=args.kv_budget_mb << 20, dtype=args.dtype or model.torch_dtype,
-        device=args.device, attention=resolve_attention(args.attention, args.device, model)))
+        device=args.device, attention=resolve_attention(args.attention, args.device)))
     dtype = engine.config.dtype
     drafter = None
     if args.drafter != "none":
@@ -169,7 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
     offline.add_argument("--device", default="cpu")
     offline.add_argument("--dtype", default=None)
     offline.add_argument("--attention", default="auto", choices=("auto", "torch", "triton"),
-                         help="auto: triton on CUDA (torch for MLA models), torch on the CPU")
+                         help="auto: triton on CUDA, torch on the CPU")
     offline.add_argument("--page-size", type=int, default=64)
     offline.add_argument("--kv-budget-mb", type=int, default=256)
     offline.add_argument("--json", action="store_true", help="print one JSON object")

@@ -13,6 +13,7 @@ _EXPORTS = {
     "SplitConfig": "ddtree_kernels.split_kv",
     "commit_kv": "ddtree_kernels.commit_kv",
     "hybrid_verify_attention": "ddtree_kernels.verify_attention",
+    "latent_verify_attention": "ddtree_kernels.latent_verify",
 }
 
 __all__ = sorted(_EXPORTS)

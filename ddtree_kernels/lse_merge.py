@@ -13,7 +13,7 @@ import triton.language as tl
 
 from ddtree_kernels.split_kv import SplitPlan, split_chunk_len
 
-MAX_BLOCK_S = 64  # partials per tile; more splits than that take several tiles
+MAX_BLOCK_S = 64  # partials per tile at head_dim <= 128 (fewer for wider rows); more take several tiles
 
 
 @triton.jit
@@ -78,7 +78,9 @@ def merge_partials(
         part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
         out.stride(0), out.stride(1),
         NUM_Q_HEADS=num_q_heads, HEAD_DIM=head_dim, BLOCK_N=plan.block_n,
-        BLOCK_S=min(MAX_BLOCK_S, triton.next_power_of_2(plan.num_splits + has_tree)), HAS_TREE=has_tree,
-        num_warps=2 if head_dim <= 128 else 4,  # one [BLOCK_S, D] tile: 2 warps beat 4 (kernel_tuning.md, section 3)
+        BLOCK_S=min(MAX_BLOCK_S * 128 // max(head_dim, 128), triton.next_power_of_2(plan.num_splits + has_tree)),
+        HAS_TREE=has_tree,
+        # NOTE: one [BLOCK_S, D] tile: 2 warps beat 4 at D <= 128 (kernel_tuning.md, section 3); MLA's D = 512 needs 8
+        num_warps=2 if head_dim <= 128 else 4 if head_dim <= 256 else 8,
     )
     return out

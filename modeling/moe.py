@@ -1,8 +1,9 @@
 """The mixture-of-experts MLP of DeepSeek-V2/V3, Kimi K2 and GLM-4.7-Flash: each token goes to k of E routed
 experts and, always, to the shared experts.
 
-This torch version is the reference a fused GPU kernel is tested against: `route` is the routing such a kernel
-reuses, and `MoE.run_experts` the exact grouped computation it replaces (no capacity limit, no dropped tokens).
+The torch version is the reference the fused GPU kernel (ddtree_kernels/fused_moe.py) is tested against: `route`
+is the routing both use, and `MoE.run_experts` the exact grouped computation the kernel replaces on CUDA once
+`fuse_projections` has stacked the experts (no capacity limit, no dropped tokens).
 """
 
 from __future__ import annotations
@@ -84,6 +85,29 @@ def expert_mlp(config: ModelConfig, intermediate_size: int) -> MLP:
     return MLP(replace(config, intermediate_size=intermediate_size, mlp_bias=False))
 
 
+class StackedExperts(nn.Module):
+    """Consecutive routed experts as the fused kernel reads them: `w13` [E, 2I, hidden] (each expert's gate rows,
+    then its up rows) and `w2` [E, hidden, I]. Each expert's Linear weights become views of them, so names,
+    loading and memory are unchanged (as `FusedLinear`); the stacks are non-persistent buffers."""
+
+    def __init__(self, experts: list[MLP], first_expert: int):
+        super().__init__()
+        self.first_expert = first_expert
+        w13 = torch.stack([torch.cat([e.gate_proj.weight.detach(), e.up_proj.weight.detach()]) for e in experts])
+        self.register_buffer("w13", w13, persistent=False)
+        self.register_buffer("w2", torch.stack([e.down_proj.weight.detach() for e in experts]), persistent=False)
+        inter = experts[0].gate_proj.out_features
+        for j, expert in enumerate(experts):
+            expert.gate_proj.weight = nn.Parameter(self.w13[j, :inter], requires_grad=False)
+            expert.up_proj.weight = nn.Parameter(self.w13[j, inter:], requires_grad=False)
+            expert.down_proj.weight = nn.Parameter(self.w2[j], requires_grad=False)
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        from ddtree_kernels.fused_moe import fused_moe  # NOTE: Triton loads only where it runs
+
+        return fused_moe(x, ids, weights, self.w13, self.w2, self.first_expert)
+
+
 class MoE(nn.Module):
     """Routed experts plus shared experts, named as in the checkpoints under a layer's `mlp.`: `gate.*`,
     `experts.{j}.{gate,up,down}_proj.weight`, `shared_experts.{gate,up,down}_proj.weight`."""
@@ -102,6 +126,18 @@ class MoE(nn.Module):
         self.experts = nn.ModuleList(expert_mlp(config, moe.intermediate_size) for _ in range(moe.num_experts))
         shared = moe.num_shared_experts * moe.intermediate_size
         self.shared_experts = expert_mlp(config, shared) if shared else None
+        self.stacked: StackedExperts | None = None
+
+    def fuse_projections(self) -> None:
+        """For CUDA serving: the held routed experts stacked for the fused kernel, the shared experts' gate/up as
+        one GEMM. Idempotent: a second call must not move the weights, since captured CUDA graphs read them."""
+        if self.stacked is None:
+            held = [j for j, expert in enumerate(self.experts) if expert is not None]
+            if held != list(range(held[0], held[-1] + 1)):
+                raise ValueError("a rank's routed experts must be consecutive")
+            self.stacked = StackedExperts([self.experts[j] for j in held], held[0])
+        if self.shared_experts is not None:
+            self.shared_experts.fuse_projections()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [N, hidden] -> [N, hidden]."""
@@ -119,7 +155,9 @@ class MoE(nn.Module):
         """Sum over each token's experts of weight * expert(token), accumulated in fp32. The (token, expert)
         pairs are sorted by expert, so each expert that has tokens runs once, on its rows only; an expert that is
         None (held by another tensor-parallel rank) is skipped. x: [N, hidden]; ids, weights: [N, k] -> [N, hidden]
-        fp32."""
+        fp32. On CUDA, once stacked, the fused kernel does the same without a host sync."""
+        if self.stacked is not None and x.is_cuda:
+            return self.stacked(x, ids, weights)
         k = ids.shape[1]
         flat = ids.flatten()  # [N * k], token-major
         order = flat.argsort(stable=True)  # the pairs grouped by expert, tokens ascending within each

@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -19,13 +21,15 @@ def run_benchmark(script: str, *args: str) -> None:
                    capture_output=True, timeout=300)
 
 
-def test_e2e_step_smoke_run_writes_its_table(tmp_path: Path) -> None:
-    run_benchmark("e2e_step.py", "--tiny", "--contexts", "64", "--budgets", "7", "--out-dir", str(tmp_path))
-    (row,) = json.loads((tmp_path / "e2e_step.json").read_text())["rows"]
+@pytest.mark.parametrize("shape", ["tiny", "tiny-mla"])
+def test_e2e_step_smoke_run_writes_its_table(tmp_path: Path, shape: str) -> None:
+    run_benchmark("e2e_step.py", "--shape", shape, "--contexts", "64", "--budgets", "7", "--out-dir", str(tmp_path))
+    (row,) = json.loads((tmp_path / f"e2e_step_{shape}.json").read_text())["rows"]
     assert (row["context"], row["budget"]) == (64, 7)
-    for key in ("verify_ms", "verify_eager_ms", "engine_step_ms", "draft_and_step_ms", "hf_reference_ms"):
+    for key in ("verify_ms", "verify_eager_ms", "engine_step_ms", "draft_and_step_ms", "hf_reference_ms",
+                "roofline_ms"):
         assert math.isfinite(row[key]) and row[key] > 0, key
-    assert "| 0k | 7 |" in (tmp_path / "e2e_step.md").read_text()
+    assert "| 0k | 7 |" in (tmp_path / f"e2e_step_{shape}.md").read_text()
 
 
 def test_grpc_overhead_smoke_run_matches_the_in_process_output(tmp_path: Path) -> None:
@@ -45,3 +49,9 @@ def test_kernel_groups_put_cublas_under_one_name() -> None:
     assert kernel_group("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize64x64x64") == "GEMM (cuBLAS)"
     assert kernel_group("_partials_kernel") == "_partials_kernel"
     assert kernel_group("_skinny_gemm_kernel") == "_skinny_gemm_kernel"
+
+
+def test_gpu_only_benchmarks_import_and_parse_their_options() -> None:
+    """The MLA attention and MoE layer benchmarks have no CPU mode: at least their imports and options must hold."""
+    run_benchmark("verify_attention.py", "--mla", "--help")
+    run_benchmark("moe_layer.py", "--help")

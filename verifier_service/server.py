@@ -37,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default=None, help="float32 | float16 | bfloat16 (default: checkpoint's)")
     parser.add_argument("--attention", default="auto", choices=ATTENTION_CHOICES,
-                        help="auto: triton on CUDA (torch for MLA models), torch on the CPU")
+                        help="auto: triton on CUDA, torch on the CPU")
     parser.add_argument("--page-size", type=int, default=64)
     parser.add_argument("--kv-budget-mb", type=float, default=256)
     parser.add_argument("--max-tree-nodes", type=int, default=255)
@@ -63,7 +63,7 @@ def engine_config(args: argparse.Namespace, model: ModelConfig) -> EngineConfig:
                         max_tree_nodes=args.max_tree_nodes, prefill_chunk=args.prefill_chunk,
                         max_batch_tokens=max(2048, args.prefill_chunk), max_context=args.max_context,
                         dtype=args.dtype or model.torch_dtype, device=args.device,
-                        attention=resolve_attention(args.attention, args.device, model),
+                        attention=resolve_attention(args.attention, args.device),
                         cuda_graphs=not args.no_cuda_graphs)
 
 

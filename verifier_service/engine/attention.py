@@ -45,22 +45,25 @@ class TorchReferenceBackend:
 
 
 class TritonBackend:
-    """The hybrid verify kernel (split prefix over whole pages + masked tree block, LSE merge) and the
-    one-launch KV commit. Launch shapes come from host-side bounds: no device sync per layer."""
+    """The hybrid verify kernels (split prefix over whole pages + masked tree block, LSE merge; GQA and MLA) and
+    the one-launch KV commit. Launch shapes come from host-side bounds: no device sync per layer."""
 
     def __init__(self) -> None:
         # NOTE: from the submodules: `ddtree_kernels.commit_kv` is both a submodule and a function name.
         from ddtree_kernels.commit_kv import commit_kv
+        from ddtree_kernels.latent_verify import latent_verify_attention
         from ddtree_kernels.verify_attention import hybrid_verify_attention
 
-        self._verify, self._commit = hybrid_verify_attention, commit_kv
+        self._verify, self._verify_latent, self._commit = hybrid_verify_attention, latent_verify_attention, commit_kv
 
     def verify(self, q, k_pages, v_pages, tree_k, tree_v, batch, sm_scale):
         return self._verify(q, k_pages, v_pages, batch.block_tables, batch.prefix_lens, tree_k, tree_v,
                             batch.cu_tree, batch.tree_mask, sm_scale, batch.max_prefix_len, batch.max_tree_len)
 
     def verify_latent(self, q, pages, tree_entries, batch, sm_scale, value_dim):
-        raise NotImplementedError("the triton backend has no MLA verify kernel yet: use --attention torch")
+        return self._verify_latent(q, pages, batch.block_tables, batch.prefix_lens, tree_entries,
+                                   batch.cu_tree, batch.tree_mask, sm_scale, value_dim, batch.max_prefix_len,
+                                   batch.max_tree_len)
 
     def commit(self, kv, scratch, src_rows, dst_slots):
         self._commit(kv.k, kv.v, scratch.k, scratch.v, src_rows, dst_slots)

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from modeling.config import ModelConfig, parse_dtype
+from modeling.config import parse_dtype
 
 PAGE_SIZES = (16, 32, 64, 128, 256)
 TRITON_MAX_BLOCK = 256  # tokens of one verify block (a tree or a prefill chunk) in the Triton kernel
@@ -15,12 +15,11 @@ TRITON_MAX_BLOCK = 256  # tokens of one verify block (a tree or a prefill chunk)
 ATTENTION_CHOICES = ("auto", "torch", "triton")
 
 
-def resolve_attention(choice: str, device: str, model: ModelConfig) -> str:
-    """`auto`: the Triton kernels (and CUDA graphs) on CUDA, the torch reference on the CPU and for MLA models,
-    whose verify kernel is not written yet."""
+def resolve_attention(choice: str, device: str) -> str:
+    """`auto`: the Triton kernels (and CUDA graphs) on CUDA, the torch reference on the CPU."""
     if choice != "auto":
         return choice
-    return "triton" if torch.device(device).type == "cuda" and model.mla is None else "torch"
+    return "triton" if torch.device(device).type == "cuda" else "torch"
 
 
 @dataclass(frozen=True)

@@ -64,9 +64,6 @@ class Engine:
         # it; the tensors hold only the KV heads of this model instance (`shard_config`).
         self.kv = self._kv_cache(num_pages, dtype, device)
         self.scratch = TreeScratch(model.shard_config, config.max_batch_tokens, dtype, device)
-        if self.model_config.mla is not None and config.attention != "torch":
-            raise ValueError(f"{self.model_config.architecture} (MLA) is served with attention 'torch' until "
-                             "the MLA verify kernel lands")
         self.backend = make_backend(config.attention)
         self.sm_scale = self.model_config.attention_scale
         # NOTE: an MLA layer's attention returns the attention-weighted latents: its first kv_lora_rank columns

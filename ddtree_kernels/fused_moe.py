@@ -1,0 +1,185 @@
+"""Fused mixture-of-experts MLP for the few hundred tokens of a verify step: two grouped GEMM launches.
+
+A step of T tokens sends T x k (token, expert) pairs to the routed experts, so it touches most experts with a
+few rows each: the cost is reading each touched expert's weights once. The pairs are sorted by expert on the
+device and cut into blocks of BLOCK_M pairs of one expert (`expert_blocks`, torch ops with no host sync, so the
+whole MLP replays inside a CUDA graph); then
+1. `_gate_up_kernel`: each program multiplies one block's tokens by one column tile of the expert's fused
+   gate/up matrix and writes silu(gate) * up for those pairs;
+2. `_down_kernel`: the down projection of each block, times the pair's routing weight, written per pair;
+and the k pairs of each token are summed in fp32 (a fixed order: the result does not depend on scheduling).
+Experts outside `[first_expert, first_expert + E)` belong to another tensor-parallel rank: their pairs add 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+
+@dataclass(frozen=True)
+class MoELaunch:
+    """Launch shape of both GEMMs."""
+
+    block_m: int  # pairs per block (all of one expert)
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+def default_moe_launch(num_pairs: int) -> MoELaunch:
+    """Tuned on an H200 (benchmarks/results/moe_layer.md, the sweep): a few pairs per expert at verify sizes, so
+    16-pair blocks; from ~8 pairs per expert on, 32-pair blocks read each expert's weights fewer times."""
+    if num_pairs <= 512:
+        return MoELaunch(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4)
+    return MoELaunch(block_m=32, block_n=64, block_k=128, num_warps=4, num_stages=3)
+
+
+@dataclass(frozen=True)
+class ExpertBlocks:
+    """Pairs sorted by expert and cut into blocks of one expert each; blocks past the last used one are empty."""
+
+    order: torch.Tensor  # [P] int64: pair ids (token * k + slot), grouped by expert
+    expert: torch.Tensor  # [max_blocks] int32: the block's local expert, E for an empty block
+    start: torch.Tensor  # [max_blocks] int32: first position in `order`
+    end: torch.Tensor  # [max_blocks] int32: one past the last (start == end: empty)
+
+
+def expert_blocks(ids: torch.Tensor, first_expert: int, num_experts: int, block_m: int) -> ExpertBlocks:
+    """ids: [N, k] global expert ids. Only device ops of fixed shapes: capturable in a CUDA graph."""
+    local = ids.flatten() - first_expert  # [P]
+    local = torch.where((local >= 0) & (local < num_experts), local, num_experts)
+    order = torch.argsort(local, stable=True)
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=ids.device)
+    counts.scatter_add_(0, local, torch.ones_like(local))
+    counts = counts[:num_experts]
+    blocks = (counts + block_m - 1) // block_m  # [E]
+    block_end = blocks.cumsum(0)
+    pair_start = counts.cumsum(0) - counts
+    max_blocks = triton.cdiv(local.numel(), block_m) + min(num_experts, local.numel())
+    index = torch.arange(max_blocks, device=ids.device)
+    expert = torch.searchsorted(block_end, index, right=True)  # [max_blocks]: E past the last block
+    clamped = expert.clamp(max=num_experts - 1)
+    start = pair_start[clamped] + (index - (block_end - blocks)[clamped]) * block_m
+    end = torch.where(expert < num_experts, torch.minimum(start + block_m, pair_start[clamped] + counts[clamped]),
+                      start)
+    return ExpertBlocks(order, expert.to(torch.int32), start.to(torch.int32), end.to(torch.int32))
+
+
+@triton.jit
+def _block_rows(order_ptr, expert_ptr, start_ptr, end_ptr, block, BLOCK_M: tl.constexpr):
+    """The block's expert, its positions in the sorted order, which are real, and their pair ids."""
+    expert = tl.load(expert_ptr + block)
+    start = tl.load(start_ptr + block)
+    slots = start + tl.arange(0, BLOCK_M)
+    ok = slots < tl.load(end_ptr + block)
+    pairs = tl.load(order_ptr + slots, mask=ok, other=0)
+    return expert, slots, ok, pairs
+
+
+@triton.jit
+def _gate_up_kernel(
+    x_ptr, w13_ptr, order_ptr, expert_ptr, start_ptr, end_ptr, h_ptr,  # h: [P, I] rows in sorted order
+    hidden, inter, stride_xn, stride_we, stride_wn, stride_hn,
+    TOP_K: tl.constexpr, NUM_EXPERTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    expert, slots, ok, pairs = _block_rows(order_ptr, expert_ptr, start_ptr, end_ptr, tl.program_id(0), BLOCK_M)
+    if expert >= NUM_EXPERTS:
+        return
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < inter
+    x_rows = x_ptr + (pairs // TOP_K).to(tl.int64) * stride_xn
+    w = w13_ptr + expert.to(tl.int64) * stride_we
+    gate_rows = w + cols.to(tl.int64) * stride_wn
+    up_rows = w + (inter + cols).to(tl.int64) * stride_wn
+    gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, hidden, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < hidden
+        a = tl.load(x_rows[:, None] + ks[None, :], mask=ok[:, None] & k_ok[None, :], other=0.0)
+        w_gate = tl.load(gate_rows[:, None] + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+        w_up = tl.load(up_rows[:, None] + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+        gate = tl.dot(a, tl.trans(w_gate), gate)
+        up = tl.dot(a, tl.trans(w_up), up)
+    gate = gate.to(h_ptr.dtype.element_ty).to(tl.float32)  # NOTE: torch rounds each projection to the dtype
+    up = up.to(h_ptr.dtype.element_ty).to(tl.float32)
+    h = gate / (1.0 + tl.exp(-gate)) * up
+    out = h_ptr + slots.to(tl.int64)[:, None] * stride_hn + cols[None, :]
+    tl.store(out, h.to(h_ptr.dtype.element_ty), mask=ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _down_kernel(
+    h_ptr, w2_ptr, weights_ptr, order_ptr, expert_ptr, start_ptr, end_ptr, y_ptr,  # y: [P, hidden] fp32 per pair
+    hidden, inter, stride_hn, stride_we, stride_wn, stride_yn,
+    NUM_EXPERTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    expert, slots, ok, pairs = _block_rows(order_ptr, expert_ptr, start_ptr, end_ptr, tl.program_id(0), BLOCK_M)
+    if expert >= NUM_EXPERTS:
+        return
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < hidden
+    h_rows = h_ptr + slots.to(tl.int64) * stride_hn
+    w_rows = w2_ptr + expert.to(tl.int64) * stride_we + cols.to(tl.int64) * stride_wn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, inter, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < inter
+        a = tl.load(h_rows[:, None] + ks[None, :], mask=ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_rows[:, None] + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+        acc = tl.dot(a, tl.trans(w), acc)
+    acc = acc.to(h_ptr.dtype.element_ty).to(tl.float32)  # NOTE: the expert's output in the dtype, as in torch
+    weight = tl.load(weights_ptr + pairs, mask=ok, other=0.0)
+    out = y_ptr + pairs.to(tl.int64)[:, None] * stride_yn + cols[None, :]
+    tl.store(out, acc * weight[:, None], mask=ok[:, None] & col_ok[None, :])
+
+
+def _check(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> None:
+    num_experts, two_inter, hidden = w13.shape
+    if x.dim() != 2 or x.shape[1] != hidden or x.stride(1) != 1:
+        raise ValueError(f"x must be [N, {hidden}] with contiguous rows")
+    if two_inter % 2 or w2.shape != (num_experts, hidden, two_inter // 2):
+        raise ValueError("w13 must be [E, 2I, hidden] (gate rows, then up rows) and w2 [E, hidden, I]")
+    if w13.stride(2) != 1 or w2.stride(2) != 1:
+        raise ValueError("expert weights need contiguous rows")
+    if ids.shape != weights.shape or ids.dim() != 2 or ids.shape[0] != x.shape[0]:
+        raise ValueError("ids and weights must both be [N, k]")
+    if w13.dtype != x.dtype or w2.dtype != x.dtype:
+        raise ValueError("x and the expert weights must share a dtype")
+
+
+def fused_moe(
+    x: torch.Tensor,  # [N, hidden]
+    ids: torch.Tensor,  # [N, k] global expert ids
+    weights: torch.Tensor,  # [N, k] fp32 routing weights
+    w13: torch.Tensor,  # [E, 2I, hidden] the local experts' gate rows, then up rows
+    w2: torch.Tensor,  # [E, hidden, I]
+    first_expert: int = 0,
+    cfg: MoELaunch | None = None,
+) -> torch.Tensor:  # [N, hidden] fp32
+    """Same result as `modeling.moe.MoE.run_experts` over the experts [first_expert, first_expert + E)."""
+    _check(x, ids, weights, w13, w2)
+    num_tokens, top_k = ids.shape
+    num_experts, hidden, inter = w2.shape
+    num_pairs = num_tokens * top_k
+    cfg = cfg or default_moe_launch(num_pairs)
+    y = torch.zeros(num_pairs, hidden, dtype=torch.float32, device=x.device)
+    if num_pairs:
+        blocks = expert_blocks(ids, first_expert, num_experts, cfg.block_m)
+        h = x.new_empty(num_pairs, inter)
+        num_blocks = blocks.expert.numel()
+        launch = dict(NUM_EXPERTS=num_experts, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                      num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        _gate_up_kernel[(num_blocks, triton.cdiv(inter, cfg.block_n))](
+            x, w13, blocks.order, blocks.expert, blocks.start, blocks.end, h,
+            hidden, inter, x.stride(0), w13.stride(0), w13.stride(1), h.stride(0), TOP_K=top_k, **launch)
+        _down_kernel[(num_blocks, triton.cdiv(hidden, cfg.block_n))](
+            h, w2, weights.float().contiguous(), blocks.order, blocks.expert, blocks.start, blocks.end, y,
+            hidden, inter, h.stride(0), w2.stride(0), w2.stride(1), y.stride(0), **launch)
+    return y.view(num_tokens, top_k, hidden).sum(dim=1)
