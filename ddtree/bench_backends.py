@@ -16,6 +16,7 @@ import grpc
 
 from ddtree.bench import BenchRequest, RequestRecord
 from ddtree.client import AsyncClient
+from proto.security import client_tls
 
 
 class ConnectFailed(RuntimeError):
@@ -52,7 +53,7 @@ class GrpcBackend:
 
     @classmethod
     async def open(cls, args: argparse.Namespace) -> GrpcBackend:
-        client = AsyncClient(args.address, api_key=args.api_key, timeout=args.timeout)
+        client = AsyncClient(args.address, api_key=args.api_key, timeout=args.timeout, tls=client_tls(args))
         try:
             model = (await client.info()).model
         except grpc.RpcError as error:
@@ -94,8 +95,12 @@ class OpenAIBackend:
         base_url = args.address.rstrip("/").removesuffix("/v1")
         headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
         # NOTE: no connection limit (aiohttp's default is 100): the client must not queue what the server should
+        tls = client_tls(args)
+        if tls is not None and not base_url.startswith("https://"):
+            raise ValueError(f"--address: TLS options need an https:// URL, got {args.address!r}")
+        ssl_check = tls.client_ssl_context() if tls is not None else True  # True: aiohttp checks the system roots
         session = aiohttp.ClientSession(headers=headers, timeout=aiohttp.ClientTimeout(total=args.timeout),
-                                        connector=aiohttp.TCPConnector(limit=0))
+                                        connector=aiohttp.TCPConnector(limit=0, ssl=ssl_check))
         try:
             model = args.model or await _first_model(session, base_url)
         except cls.errors as error:

@@ -1,5 +1,5 @@
 """`ddtree bench`: the command over ddtree/bench.py. Light imports only (the `ddtree` CLI imports this module to
-parse); the backends (grpc, aiohttp) load when the command runs."""
+parse); the backends (the gRPC client, aiohttp) load when the command runs."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from ddtree.bench import Progress, dataset_requests, format_report, run_load, summarize, synthetic_requests
+from proto.security import add_client_tls_args
 
 
 def add_bench_command(subparsers: argparse._SubParsersAction) -> None:
@@ -40,6 +41,7 @@ def add_bench_command(subparsers: argparse._SubParsersAction) -> None:
     bench.add_argument("--seed", type=int, default=0, help="of the arrivals and the synthetic prompts")
     bench.add_argument("--timeout", type=_positive(float), help="deadline of each request, seconds")
     bench.add_argument("--json", metavar="FILE", help="also write the report as JSON")
+    add_client_tls_args(bench)  # grpc: TLS to the gateway; openai: an https:// address checked against --tls-ca
     bench.set_defaults(run=_bench)
 
 

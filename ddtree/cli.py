@@ -8,6 +8,7 @@ import sys
 from typing import TYPE_CHECKING, NoReturn
 
 from ddtree.bench_cli import add_bench_command
+from ddtree.chat import add_chat_command
 from ddtree.client_cli import add_client_commands, for_terminal
 from ddtree.local_stack import add_forwarded_options, forwarded_args
 
@@ -96,10 +97,13 @@ DEMO_PROMPT = "The cat sat on the mat. The cat sat on the mat. The cat"
 
 
 def _serve(args: argparse.Namespace) -> None:
+    import logging
     import signal
 
     from ddtree.client import GatewayError
     from ddtree.local_stack import LocalStack, StartFailed, ensure_tiny_model
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")  # NOTE: progress lines, off a terminal
 
     target, drafter = args.target, args.drafter
     if target is None:
@@ -115,6 +119,7 @@ def _serve(args: argparse.Namespace) -> None:
         with stack:
             http = f", OpenAI-compatible HTTP API at {stack.http_url}" if stack.http_url else ""
             print(f"gateway listening on {args.listen} (gRPC){http}", flush=True)
+            _print_readiness(stack.addresses)
             if args.demo:
                 _demo(args.listen)
                 return
@@ -127,6 +132,15 @@ def _serve(args: argparse.Namespace) -> None:
         _fail(f"the demo request failed: {error} (logs in {stack.log_dir})", status=1)
     except KeyboardInterrupt:  # while starting: the stack is stopped already
         raise SystemExit(130) from None
+
+
+def _print_readiness(addresses: dict[str, str]) -> None:
+    """The status block, then a line for whatever is not ready (or one saying that all is)."""
+    from ddtree.readiness import wait_ready
+
+    readiness = wait_ready(addresses)
+    print(readiness.block())
+    print("\n".join(f"not ready: {problem}" for problem in readiness.problems) or "ready", flush=True)
 
 
 def _demo(gateway: str) -> None:
@@ -189,6 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(run=_serve)
 
     add_client_commands(commands)
+    add_chat_command(commands)
     add_bench_command(commands)
     return parser
 

@@ -6,17 +6,23 @@
             print(chunk.text, end="", flush=True)
         print(generation.summary.tokens_per_second)
 
-Chunks and summaries are the gateway's protobuf messages (GenerateChunk, GenerateSummary); failures
-raise GatewayError, a grpc.RpcError keeping the status code and details. No torch here.
+Chunks and summaries are the gateway's protobuf messages (GenerateChunk, GenerateSummary); `generation.events()`
+also yields the PrefillProgress of a long prompt before the first chunk. Failures
+raise GatewayError, a grpc.RpcError keeping the status code and details (after a failed TLS handshake, led by
+what was wrong with the certificate). With `tls=Tls(ca="ca.crt")` the client dials with TLS, trusting that root
+certificate (`Tls()`: the system's roots); `cert` and `key` are a client certificate, for a gateway that
+requires one. No torch here.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 
 import grpc
 
 from proto import common_pb2, gateway_pb2, gateway_pb2_grpc
+from proto.security import Tls, client_channel, tls_failure_hint
 
 DEFAULT_GATEWAY = "localhost:50051"
 MAX_MESSAGE_BYTES = 64 << 20
@@ -37,7 +43,9 @@ class GatewayError(grpc.RpcError):
 
 
 def _gateway_error(error: grpc.RpcError) -> GatewayError:
-    return GatewayError(error.code(), error.details() or "")
+    details = error.details() or ""
+    hint = tls_failure_hint(details) if error.code() == grpc.StatusCode.UNAVAILABLE else None
+    return GatewayError(error.code(), f"{hint} ({details})" if hint else details)
 
 
 def sampling_params(max_new_tokens: int = 0, temperature: float = 0.0, top_k: int = 0, top_p: float = 0.0,
@@ -67,6 +75,9 @@ def chat_request(messages: Sequence[Mapping[str, str]], *, session: str | None =
                                    session=session or "", params=sampling_params(**params), keep_session=keep_session)
 
 
+Event = gateway_pb2.GenerateChunk | common_pb2.PrefillProgress
+
+
 class _Output:
     """What a Generate stream delivered so far; `summary` is set by its last message."""
 
@@ -75,12 +86,20 @@ class _Output:
         self.token_ids: list[int] = []
         self.acceptance_lengths: list[int] = []
         self.summary: gateway_pb2.GenerateSummary | None = None
+        # time.monotonic() when the first and the latest tokens arrived here (a stopped call has no summary)
+        self.first_token_at: float | None = None
+        self.last_token_at: float | None = None
 
-    def _take(self, reply: gateway_pb2.GenerateReply) -> gateway_pb2.GenerateChunk | None:
+    def _take(self, reply: gateway_pb2.GenerateReply) -> Event | None:
         if reply.HasField("summary"):
             self.summary = reply.summary
             return None
+        if reply.HasField("prefill"):
+            return reply.prefill
         chunk = reply.chunk
+        if chunk.token_ids:
+            self.last_token_at = time.monotonic()
+            self.first_token_at = self.first_token_at or self.last_token_at
         self.text += chunk.text
         self.token_ids.extend(chunk.token_ids)
         self.acceptance_lengths.append(chunk.acceptance_length)
@@ -88,20 +107,25 @@ class _Output:
 
 
 class Generation(_Output):
-    """A running Generate call: iterate it for chunks; `summary` once it ends; `cancel()` to stop it."""
+    """A running Generate call: iterate it for chunks (or `events()` for the prefill's progress too); `summary`
+    once it ends; `cancel()` to stop it."""
 
     def __init__(self, call: grpc.Call):
         super().__init__()
         self._call = call
 
-    def __iter__(self) -> Iterator[gateway_pb2.GenerateChunk]:
+    def events(self) -> Iterator[Event]:
+        """A long prefill's progress, then the chunks."""
         try:
             for reply in self._call:
-                chunk = self._take(reply)
-                if chunk is not None:
-                    yield chunk
+                event = self._take(reply)
+                if event is not None:
+                    yield event
         except grpc.RpcError as error:
             raise _gateway_error(error) from error
+
+    def __iter__(self) -> Iterator[gateway_pb2.GenerateChunk]:
+        return (event for event in self.events() if isinstance(event, gateway_pb2.GenerateChunk))
 
     def result(self) -> gateway_pb2.GenerateSummary:
         """Read the rest of the stream and return the summary."""
@@ -120,14 +144,19 @@ class AsyncGeneration(_Output):
         super().__init__()
         self._call = call
 
-    async def __aiter__(self) -> AsyncIterator[gateway_pb2.GenerateChunk]:
+    async def events(self) -> AsyncIterator[Event]:
         try:
             async for reply in self._call:
-                chunk = self._take(reply)
-                if chunk is not None:
-                    yield chunk
+                event = self._take(reply)
+                if event is not None:
+                    yield event
         except grpc.RpcError as error:
             raise _gateway_error(error) from error
+
+    async def __aiter__(self) -> AsyncIterator[gateway_pb2.GenerateChunk]:
+        async for event in self.events():
+            if isinstance(event, gateway_pb2.GenerateChunk):
+                yield event
 
     async def result(self) -> gateway_pb2.GenerateSummary:
         async for _ in self:
@@ -148,10 +177,13 @@ _CHANNEL_OPTIONS = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
 
 class Client:
     """Blocking client. `timeout` (seconds) is the deadline of each call; the gateway passes what is
-    left of it on to the verifier."""
+    left of it on to the verifier. `tls`: None dials in plaintext; a certificate file that cannot be used is a
+    ValueError naming it."""
 
-    def __init__(self, target: str = DEFAULT_GATEWAY, api_key: str | None = None, timeout: float | None = None):
-        self._channel = grpc.insecure_channel(target, options=_CHANNEL_OPTIONS)
+    def __init__(self, target: str = DEFAULT_GATEWAY, api_key: str | None = None, timeout: float | None = None,
+                 tls: Tls | None = None):
+        self._channel = grpc.insecure_channel(target, options=_CHANNEL_OPTIONS) if tls is None else \
+            grpc.secure_channel(target, tls.channel_credentials(), options=_CHANNEL_OPTIONS)
         self._stub = gateway_pb2_grpc.GatewayStub(self._channel)
         self._metadata = _metadata(api_key)
         self.timeout = timeout
@@ -208,8 +240,9 @@ class AsyncClient:
     """The asyncio client: the same methods as Client, as coroutines (generate returns an
     AsyncGeneration at once). Create it inside the running event loop."""
 
-    def __init__(self, target: str = DEFAULT_GATEWAY, api_key: str | None = None, timeout: float | None = None):
-        self._channel = grpc.aio.insecure_channel(target, options=_CHANNEL_OPTIONS)
+    def __init__(self, target: str = DEFAULT_GATEWAY, api_key: str | None = None, timeout: float | None = None,
+                 tls: Tls | None = None):
+        self._channel = client_channel(target, tls, _CHANNEL_OPTIONS)
         self._stub = gateway_pb2_grpc.GatewayStub(self._channel)
         self._metadata = _metadata(api_key)
         self.timeout = timeout

@@ -1,4 +1,5 @@
-"""`ddtree generate` and `ddtree session ...`: the gateway from the terminal (no torch needed)."""
+"""`ddtree generate` and `ddtree session ...`: the gateway from the terminal (no torch needed). `ddtree chat`
+(ddtree/chat.py) shares their connection and sampling options and their streaming."""
 
 from __future__ import annotations
 
@@ -12,8 +13,10 @@ from typing import TextIO
 
 from google.protobuf.json_format import MessageToDict
 
-from ddtree.client import DEFAULT_GATEWAY, Client, GatewayError
+from ddtree.client import DEFAULT_GATEWAY, Client, GatewayError, Generation
+from ddtree.progress import Progress
 from proto import common_pb2
+from proto.security import add_client_tls_args, client_tls
 
 # C0 and C1 controls and DEL, newline and tab aside: what lets text move the cursor, retitle a window or ring
 _CONTROL_CHARACTERS = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
@@ -34,15 +37,9 @@ def add_client_commands(subparsers: argparse._SubParsersAction) -> None:
     gen.add_argument("--session", help="continue this session handle with the text")
     gen.add_argument("--keep-session", action="store_true", help="keep a new session; print its handle")
     gen.add_argument("--json", action="store_true", help="print one JSON object at the end instead of streaming")
-    gen.add_argument("--max-new-tokens", type=int, default=0, help="0 = the server's default")
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--top-p", type=float, default=0.0)
-    gen.add_argument("--seed", type=int)
-    gen.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
-    gen.add_argument("--ignore-eos", action="store_true")
-    _connection_args(gen)
-    gen.set_defaults(run=_guarded(_generate))
+    sampling_args(gen)
+    connection_args(gen)
+    gen.set_defaults(run=guarded(_generate))
 
     session = subparsers.add_parser("session", help="KV state handles on the gateway")
     actions = session.add_subparsers(dest="action", required=True)
@@ -54,21 +51,44 @@ def add_client_commands(subparsers: argparse._SubParsersAction) -> None:
         action.add_argument("handle")
     actions.add_parser("list", help="print the caller's sessions as JSON lines")
     for action in actions.choices.values():
-        _connection_args(action)
-        action.set_defaults(run=_guarded(_session))
+        connection_args(action)
+        action.set_defaults(run=guarded(_session))
 
 
-def _connection_args(parser: argparse.ArgumentParser) -> None:
+def sampling_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--max-new-tokens", type=int, default=0, help="0 = the server's default")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--top-p", type=float, default=0.0)
+    parser.add_argument("--seed", type=int)
+    parser.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
+    parser.add_argument("--ignore-eos", action="store_true")
+
+
+def sampling_options(args: argparse.Namespace) -> dict:
+    """The options of `sampling_args`, as `Client.generate` and `Client.chat` take them."""
+    return dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos)
+
+
+def connection_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gateway", default=os.environ.get("DDTREE_GATEWAY", DEFAULT_GATEWAY),
                         help="gateway address (env DDTREE_GATEWAY)")
     parser.add_argument("--api-key", default=os.environ.get("DDTREE_API_KEY"), help="API key (env DDTREE_API_KEY)")
     parser.add_argument("--timeout", type=float, help="deadline of the call, in seconds")
+    add_client_tls_args(parser)
 
 
-def _guarded(command: Callable[[argparse.Namespace, Client], None]) -> Callable[[argparse.Namespace], None]:
-    """Run with a client; a gateway error becomes a one-line message and exit status 1."""
+def guarded(command: Callable[[argparse.Namespace, Client], None]) -> Callable[[argparse.Namespace], None]:
+    """Run with a client; a gateway error becomes a one-line message and exit status 1 (a certificate file that
+    cannot be used: status 2)."""
     def run(args: argparse.Namespace) -> None:
-        with Client(args.gateway, api_key=args.api_key, timeout=args.timeout) as client:
+        try:
+            client = Client(args.gateway, api_key=args.api_key, timeout=args.timeout, tls=client_tls(args))
+        except ValueError as error:  # NOTE: its message names the file and the problem
+            print(f"error: {error}", file=sys.stderr)
+            raise SystemExit(2) from None
+        with client:
             try:
                 command(args, client)
             except GatewayError as error:
@@ -77,14 +97,31 @@ def _guarded(command: Callable[[argparse.Namespace, Client], None]) -> Callable[
     return run
 
 
+def stream(generation: Generation, echo: bool = True) -> None:
+    """Read the generation to its end, printing each chunk's text as it comes when `echo`; before the first, a
+    long prefill's progress on stderr (a bar on a terminal, erased when the text starts)."""
+    prefill: Progress | None = None
+    try:
+        for event in generation.events():
+            if isinstance(event, common_pb2.PrefillProgress):
+                prefill = prefill or Progress("prefill", event.total_tokens, unit="tokens", transient=True)
+                prefill.update(event.prefilled_tokens)
+                continue
+            if prefill is not None:
+                prefill.close()
+                prefill = None
+            if echo:
+                print(for_terminal(event.text), end="", flush=True)
+    finally:
+        if prefill is not None:
+            prefill.close(finished=False)
+
+
 def _generate(args: argparse.Namespace, client: Client) -> None:
     generation = client.generate(args.text, session=args.session, keep_session=args.keep_session,
-                                 max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                                 top_p=args.top_p, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos)
+                                 **sampling_options(args))
     try:
-        for chunk in generation:
-            if not args.json:
-                print(for_terminal(chunk.text), end="", flush=True)
+        stream(generation, echo=not args.json)
     except KeyboardInterrupt:
         generation.cancel()
         raise SystemExit(130) from None

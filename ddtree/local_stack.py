@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
@@ -17,11 +19,14 @@ from typing import NamedTuple
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from ddtree.progress import Progress
 from proto.serving import BindError, check_bindable
 
 # NOTE: the suffix changes with the tiny model's files (2: a chat template), so an older cache is not reused.
 TINY_MODEL_DIR = Path(os.environ.get("DDTREE_CACHE", Path.home() / ".cache" / "ddtree")) / "tiny-model-2"
 SERVICES = ("verifier", "drafter", "gateway")
+# What precedes the message on a service's log line: the time, the service's tag or none, the level
+_LOG_PREFIX = re.compile(r"^\d{4}-\d\d-\d\d [\d:,.]+ (?:\S+ )?(?:DEBUG|INFO|WARNING|ERROR|CRITICAL) ")
 
 
 class Forwarded(NamedTuple):
@@ -88,12 +93,14 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def wait_healthy(address: str, timeout_s: float, process: subprocess.Popen | None = None) -> None:
-    """Poll grpc.health.v1 until SERVING; fail early if the process died."""
+def wait_healthy(address: str, timeout_s: float, process: subprocess.Popen | None = None,
+                 on_poll: Callable[[], None] = lambda: None) -> None:
+    """Poll grpc.health.v1 until SERVING, calling `on_poll` before each poll; fail early if the process died."""
     deadline = time.monotonic() + timeout_s
     with grpc.insecure_channel(address) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
+            on_poll()
             if process is not None and process.poll() is not None:
                 raise RuntimeError(f"{' '.join(process.args[2:4])} exited with code {process.returncode}")
             try:
@@ -114,6 +121,11 @@ def last_line(log: Path, tail_bytes: int = 4096) -> str:
         lines = file.read().decode(errors="replace").splitlines()
     last = next((line.strip() for line in reversed(lines) if line.strip()), "")
     return last.split(": error: ", 1)[-1]
+
+
+def _log_message(line: str) -> str:
+    """A service's log line without its time, tag and level: what it says it does."""
+    return _LOG_PREFIX.sub("", line, count=1)
 
 
 def _http_listen(gateway_args: tuple[str, ...]) -> str:
@@ -190,20 +202,29 @@ class LocalStack:
                         "--verifiers", verifier, "--tokenizer", self.target, *self.gateway_args)
             self.http_url = f"http://{http}/v1" if http else None
             self.addresses["gateway"] = self.gateway_listen
-            for name, address in self.addresses.items():
-                self._wait_healthy(name, address, timeout_s)
+            with Progress("starting the stack", len(self.addresses), unit="services") as progress:
+                for name, address in self.addresses.items():
+                    self._wait_healthy(name, address, timeout_s, progress)
+                    progress.advance()
         except BaseException:
             self.stop()
             raise
 
-    def _wait_healthy(self, name: str, address: str, timeout_s: float) -> None:
+    def _wait_healthy(self, name: str, address: str, timeout_s: float, progress: Progress | None = None) -> None:
+        """Until the process serves; meanwhile `progress` shows what its log says it does."""
         process = self.processes[name]
+        on_poll = (lambda: progress.note(self._doing(name))) if progress else lambda: None
         try:
-            wait_healthy(address, timeout_s, process)
+            wait_healthy(address, timeout_s, process, on_poll)
         except TimeoutError as error:
             raise self._failed(name, str(error)) from None
         except RuntimeError:  # it exited
             raise self._failed(name, last_line(self.log_path(name)) or f"exit status {process.returncode}") from None
+
+    def _doing(self, name: str) -> str:
+        """A starting process and what its log says it does."""
+        message = _log_message(last_line(self.log_path(name)))
+        return f"{name}: {message}" if message else name
 
     def _failed(self, name: str, cause: str) -> StartFailed:
         return StartFailed(f"{name} failed to start: {cause} (log: {self.log_path(name)})")

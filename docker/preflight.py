@@ -5,8 +5,9 @@ container) with its cause instead of sending a service into a restart loop.
     python docker/preflight.py --target DIR --drafter DIR|ngram [--tensor-parallel N]
 
 Checked: the target is a checkpoint the verifier can load (config.json of a served architecture, weights,
-tokenizer.json for the gateway), the tensor-parallel degree fits it, and the drafter is `ngram` or a DFlash
-checkpoint that fits the target. Every problem is one line on stderr, naming the setting; exit 1 on any.
+tokenizer.json for the gateway), the tensor-parallel degree fits it, the drafter is `ngram` or a DFlash
+checkpoint that fits the target, and the certificate files the services read (DDTREE_INTERNAL_*, DDTREE_TLS_*)
+are usable. Every problem is one line on stderr, naming the setting; exit 1 on any.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pathlib import Path
 from modeling.config import ModelConfig
 from modeling.dflash import DFlashConfig
 from modeling.tensor_parallel import plan_shards
+from proto.security import GATEWAY_TLS_ENV, INTERNAL_ENV, Tls
 from proto.serving import describe
 
 
@@ -60,6 +62,19 @@ def drafter_problems(drafter: str, target: ModelConfig | None) -> list[str]:
     return problems
 
 
+def tls_problems() -> list[str]:
+    """The certificate, key and CA of each set the environment names, loaded as a server would load them."""
+    problems = []
+    for names in (INTERNAL_ENV, GATEWAY_TLS_ENV):
+        cert, key, ca = (os.environ.get(names[name]) or None for name in ("cert", "key", "ca"))
+        if cert or key or ca:
+            try:
+                Tls(cert, key, ca).server_credentials()
+            except ValueError as error:
+                problems.append(f"{names['cert']}, {names['key']}, {names['ca']}: {error}")
+    return problems
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="preflight", description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", required=True)
@@ -72,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     problems += [f"DDTREE_TENSOR_PARALLEL={args.tensor_parallel}: {p}"
                  for p in tensor_parallel_problems(args.tensor_parallel, target)]
     problems += [f"DDTREE_DRAFTER={args.drafter}: {p}" for p in drafter_problems(args.drafter, target)]
+    problems += tls_problems()
     for problem in problems:
         print(f"preflight: error: {problem}", file=sys.stderr)
     if problems:

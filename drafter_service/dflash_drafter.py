@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 
 import torch
 
+from ddtree.progress import track
 from drafter_service.dflash_mirrors import DFlashMirrors
 from drafter_service.draft_graphs import DraftGraphs
 from drafter_service.drafter import DrafterInfo
@@ -29,7 +31,8 @@ class DFlashDrafter:
         self.graphs = DraftGraphs(self.mirrors, max_budget, cuda_graphs)
         self.weight = model.fc.weight
         self.info = DrafterInfo("dflash", config.block_size, context_window, tuple(config.target_layer_ids),
-                                config.feature_dim, max_budget)
+                                config.feature_dim, max_budget, str(self.weight.dtype).removeprefix("torch."),
+                                str(self.weight.device))
 
     def _features(self, features: torch.Tensor | None, rows: int, field: str) -> torch.Tensor:
         if features is None:
@@ -47,9 +50,13 @@ class DFlashDrafter:
         features = self._features(seed.features, rows, "open.features")
         self.mirrors.open(session_id, features, seed.start_position + len(seed.tokens) - rows)
 
+    @property
+    def captured_graphs(self) -> int:
+        return len(self.graphs.captured)
+
     def warmup(self) -> None:
         """Capture the draft graph of every batch size now, rather than in the first batch of each size."""
-        self.graphs.warmup()
+        self.graphs.warmup(functools.partial(track, task="capturing draft CUDA graphs", unit="graphs"))
 
     def draft(self, steps: list[DraftStep]) -> list[DraftTree]:
         if not steps:

@@ -11,6 +11,7 @@ off, or with an unbounded layer (no W), the same function runs eagerly.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from typing import NamedTuple
 
 import torch
@@ -59,9 +60,10 @@ class DraftGraphs:
         return _to_host(values[:count, :, :width], ids[:count, :, :width])
 
     @torch.inference_mode()
-    def warmup(self) -> None:
-        """Capture every bucket now, not on its first batch (nothing to do when drafts run eagerly)."""
-        for size in self.buckets if self.graphed else []:
+    def warmup(self, progress: Callable[[list], Iterable] = iter) -> None:
+        """Capture every bucket now, not on its first batch (nothing to do when drafts run eagerly); `progress`
+        wraps the list of buckets (ddtree.progress.track)."""
+        for size in progress(self.buckets) if self.graphed else []:
             if size not in self.captured:
                 with torch.cuda.device(self.device):
                     self._capture(size)

@@ -20,10 +20,13 @@ class DrafterInfo:
     target_layer_ids: tuple[int, ...]  # the target layers a feature concatenates (empty for n-gram)
     feature_dim: int
     max_budget: int
+    dtype: str = ""  # the model's ("" without one)
+    device: str = "cpu"
 
 
 class Drafter(Protocol):
     info: DrafterInfo
+    captured_graphs: int  # CUDA graphs captured so far; 0 while drafts run eagerly
 
     def open(self, session_id: str, seed: DrafterSeed) -> None:
         """Start or replace a mirror: seed.tokens are committed, tokens[i] at seed.start_position + i;

@@ -12,6 +12,8 @@ MAX_DEPTH = 16  # deepest draft; the verifier's tree budget bounds the width
 
 
 class NgramDrafter:
+    captured_graphs = 0
+
     def __init__(self, min_n: int = 1, max_n: int = 4, max_budget: int = 255, max_depth: int = MAX_DEPTH):
         self.ngram = NgramIndex(min_n, max_n)
         self.max_depth = max_depth

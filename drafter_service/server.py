@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry, Gauge, ProcessCollector
 from drafter_service.drafter import Drafter
 from drafter_service.servicer import DrafterServicer
 from proto import drafter_pb2, drafter_pb2_grpc
+from proto.security import add_internal_auth_args, internal_auth
 from proto.serving import ServiceServer, serve_metrics, server_options, service_main
 
 SERVICE_NAME = drafter_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name
@@ -32,6 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--replica-id", default=f"{socket.gethostname()}:{os.getpid()}")
     parser.add_argument("--metrics-port", type=int, default=0, help="Prometheus port; 0 = off")
     parser.add_argument("--metrics-addr", default="127.0.0.1", help="address of the metrics port (0.0.0.0: all)")
+    add_internal_auth_args(parser)
     return parser
 
 
@@ -68,18 +70,20 @@ def load_drafter(drafter: str, target: str | None, device: str = "cpu", dtype: s
 
 
 async def serve(args: argparse.Namespace) -> None:
+    auth = internal_auth(args)
     drafter = load_drafter(args.drafter, args.target, args.device, args.dtype, args.context_window or None,
                            args.max_budget, (args.ngram_min, args.ngram_max))
     servicer = DrafterServicer(drafter, args.replica_id)
     # NOTE: verifiers find new replicas by re-resolving the name themselves; a long connection age only bounds
     # how long a verifier keeps a connection to an address that DNS no longer lists.
     server = ServiceServer(SERVICE_NAME, drafter_pb2_grpc.add_DrafterServicer_to_server, servicer, args.listen,
-                           server_options(max_connection_age_s=300.0))
+                           server_options(max_connection_age_s=300.0), auth)
     if args.metrics_port:
         serve_metrics(drafter_metrics(servicer), args.metrics_port, args.metrics_addr)
     servicer.start()
     await server.start()
-    logging.info("drafter %s (%s) listening on port %d", args.replica_id, servicer.drafter.info.kind, server.port)
+    logging.info("drafter %s (%s) listening on port %d (internal callers show %s)", args.replica_id,
+                 servicer.drafter.info.kind, server.port, auth.kind)
     await server.serve_until_signal(grace_s=1.0)
 
 

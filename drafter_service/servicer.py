@@ -240,4 +240,5 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         return drafter_pb2.DrafterInfoReply(
             replica_id=self.replica_id, drafter_kind=info.kind, block_size=info.block_size,
             context_window=info.context_window or 0, target_layer_ids=list(info.target_layer_ids),
-            feature_dim=info.feature_dim, max_tree_budget=info.max_budget, open_sessions=len(self.open_ids))
+            feature_dim=info.feature_dim, max_tree_budget=info.max_budget, open_sessions=len(self.open_ids),
+            dtype=info.dtype, device=info.device, cuda_graphs=self.drafter.captured_graphs)

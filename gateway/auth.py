@@ -23,10 +23,18 @@ class ApiKeys:
     """The configured keys; none configured means auth is off and every caller is None."""
 
     def __init__(self, keys: Iterable[str] = ()):
+        self.replace(keys)
+
+    def replace(self, keys: Iterable[str]) -> None:
+        """Put `keys` in force at once (a rotation); invalid ones raise ValueError (naming none) and change
+        nothing. Sessions stay with the digest that opened them."""
         keys = list(keys)
         if any(key.split() != [key] for key in keys):
             raise ValueError("API keys must be non-empty and contain no whitespace")
         self._digests = [key_digest(key) for key in keys]
+
+    def __len__(self) -> int:
+        return len(self._digests)
 
     @property
     def enabled(self) -> bool:

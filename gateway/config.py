@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from proto.security import NO_AUTH, InternalAuth, Tls
+
 
 @dataclass(frozen=True)
 class GatewayConfig:
@@ -13,6 +15,11 @@ class GatewayConfig:
     # The OpenAI-compatible HTTP API (host:port), on the same event loop as gRPC; "" = off. Off unless asked:
     # an HTTP port is one more thing a deployment must decide to publish.
     http_listen: str = ""
+    # Both public ports (gRPC and HTTP) serve TLS with these files (a `ca` requires client certificates it
+    # signed); None: plaintext, which a non-loopback address takes only with allow_plaintext (docs/security.md).
+    tls: Tls | None = None
+    allow_plaintext: bool = False
+    internal: InternalAuth = NO_AUTH  # what the gateway shows the verifiers
     metrics_port: int = 0  # Prometheus over HTTP; 0 = off
     metrics_addr: str = "127.0.0.1"  # loopback unless told otherwise
     session_idle_ttl_s: float = 600.0
@@ -51,6 +58,8 @@ class GatewayConfig:
     def __post_init__(self) -> None:
         if not self.verifiers:
             raise ValueError("at least one verifier address is needed")
+        if self.allow_plaintext and self.tls is not None:
+            raise ValueError("plaintext was asked for beside TLS: choose one")
         if not 0 < self.default_max_new_tokens <= self.max_new_tokens_limit:
             raise ValueError("default_max_new_tokens must be in (0, max_new_tokens_limit]")
         if self.quota_by not in ("key", "peer"):

@@ -1,4 +1,5 @@
-"""One Generate call seen from the gateway: verifier steps in, chunks out, and the summary's figures."""
+"""One Generate call seen from the gateway: verifier steps in, chunks out (a prefill's progress passed on), and
+the summary's figures."""
 
 from __future__ import annotations
 
@@ -25,6 +26,12 @@ class Relay:
         self.session_tokens = 0
         self.last_token: int | None = None
         self.stop_reason: int | None = None  # until a step says it finished
+
+    def reply(self, step: verifier_pb2.VerifierGenerateStep) -> gateway_pb2.GenerateReply:
+        """The client's message for a verifier message: a chunk for a step, the progress of a prefill as it is."""
+        if step.HasField("prefill"):
+            return gateway_pb2.GenerateReply(prefill=step.prefill)
+        return self.chunk(step)
 
     def chunk(self, step: verifier_pb2.VerifierGenerateStep) -> gateway_pb2.GenerateReply:
         now = self.clock()

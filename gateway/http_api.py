@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import ssl
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from typing import Any
@@ -221,9 +222,11 @@ def _peer(remote: str | None) -> str:
     return f"ipv6:[{remote}]" if ":" in remote else f"ipv4:{remote}"
 
 
-async def serve_http(api: HttpApi, address: str, grace_s: float) -> tuple[web.AppRunner, int]:
-    """Listen on `address` (host:port; port 0 picks a free one); returns the runner and the bound port. A
-    taken port is a BindError naming it. Stopping the runner lets running requests finish within `grace_s`."""
+async def serve_http(api: HttpApi, address: str, grace_s: float,
+                     ssl_context: ssl.SSLContext | None = None) -> tuple[web.AppRunner, int]:
+    """Listen on `address` (host:port; port 0 picks a free one), with TLS when there is an `ssl_context`; returns
+    the runner and the bound port. A taken port is a BindError naming it. Stopping the runner lets running
+    requests finish within `grace_s`."""
     host, _, port = address.rpartition(":")
     if not port.isdigit():
         raise ValueError(f"{address}: the HTTP address must be host:port")
@@ -231,5 +234,5 @@ async def serve_http(api: HttpApi, address: str, grace_s: float) -> tuple[web.Ap
     # NOTE: a client that goes away cancels its handler, and so its generation, as over gRPC.
     runner = web.AppRunner(api.application(), handler_cancellation=True, access_log=None, shutdown_timeout=grace_s)
     await runner.setup()
-    await web.TCPSite(runner, host.strip("[]") or None, int(port)).start()
+    await web.TCPSite(runner, host.strip("[]") or None, int(port), ssl_context=ssl_context).start()
     return runner, runner.addresses[0][1]

@@ -156,19 +156,23 @@ class GatewayService:
 
     async def generate(self, caller: Caller, prompt: list[int], params: common_pb2.SamplingParams, handle: str,
                        keep_session: bool, fork: bool = False) -> AsyncIterator[gateway_pb2.GenerateReply]:
-        """Chunks, then the summary. Without `handle` the prompt goes to a fresh session (held under a
-        handle while it runs, so it counts against the key's limits); with one, it is appended; with `fork`,
-        it is appended to a fork of it, which is kept with `keep_session` (the parent stays as it was). A
-        failure after the first chunk ends the stream with its status: the chunks sent before it stand (exact)."""
+        """A long prefill's progress, chunks, then the summary. Without `handle` the prompt goes to a fresh
+        session (held under a handle while it runs, so it counts against the key's limits), which is dropped if
+        the call ends before its prompt is in; with one, it is appended; with `fork`, it is appended to a fork of
+        it, which is kept with `keep_session` (the parent stays as it was). A failure after the first chunk ends
+        the stream with its status: the chunks sent before it stand (exact)."""
         started = self._clock()
+        fresh = not handle
         if handle and fork:
             handle = (await self.fork_session(caller, handle)).session
             append, keep = prompt, keep_session
         elif handle:
             append, keep = prompt, True
         else:
-            handle = (await self.create_session(caller, prompt)).session.session
-            append, keep = [], keep_session
+            # NOTE: the session starts from the prompt's first token and the rest is appended in the Generate
+            # stream, whose prefill reports its progress (CreateSession's cannot).
+            handle = (await self.create_session(caller, prompt[:1])).session.session
+            append, keep = prompt[1:], keep_session
         relay = Relay(OutputText(self.tokenizer, params.stop_strings), self.metrics, self._clock, started)
         try:
             with self.registry.using(handle, caller.owner) as entry:
@@ -180,7 +184,7 @@ class GatewayService:
                 call = self.pool.stub(entry.verifier).Generate(request, timeout=left)
                 try:
                     async for step in call:
-                        yield relay.chunk(step)
+                        yield relay.reply(step)
                 finally:
                     call.cancel()  # a no-op once the stream ended; stops the verifier when we were cancelled
                     entry.reserved = 0
@@ -189,7 +193,7 @@ class GatewayService:
                 if relay.stop_reason is None:
                     raise NoVerifier("the verifier ended the generation without a stop reason; retry")
         finally:
-            if not keep:
+            if not keep or (fresh and not relay.steps):  # NOTE: as a failed CreateSession keeps nothing
                 await self._forget(handle, caller.owner, release=relay.stop_reason is None)
         yield relay.summary(handle if keep else "", prompt_tokens=len(prompt))
 

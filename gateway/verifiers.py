@@ -5,11 +5,11 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 
-import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.errors import NoVerifier
 from proto import verifier_pb2, verifier_pb2_grpc
+from proto.security import NO_AUTH, InternalAuth
 
 
 class VerifierPool:
@@ -20,9 +20,10 @@ class VerifierPool:
     NOTE: create it inside the running event loop (grpc.aio channels bind to it).
     """
 
-    def __init__(self, addresses: Sequence[str], channel_options: Sequence[tuple[str, int]] = ()):
+    def __init__(self, addresses: Sequence[str], channel_options: Sequence[tuple[str, int]] = (),
+                 auth: InternalAuth = NO_AUTH):
         self.addresses = tuple(addresses)
-        self._channels = {a: grpc.aio.insecure_channel(a, options=list(channel_options)) for a in self.addresses}
+        self._channels = {a: auth.channel(a, channel_options) for a in self.addresses}
         self._stubs = {a: verifier_pb2_grpc.VerifierStub(c) for a, c in self._channels.items()}
         self._health = {a: health_pb2_grpc.HealthStub(c) for a, c in self._channels.items()}
         self.infos: dict[str, verifier_pb2.VerifierInfoReply | None] = dict.fromkeys(self.addresses)

@@ -10,6 +10,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from ddtree.progress import Progress
 from modeling.config import ModelConfig, parse_dtype, read_config_json
 from modeling.fp8 import FP8_DTYPES, SCALE_SUFFIX, BlockFP8
 from modeling.rope import RotaryEmbedding
@@ -43,8 +44,10 @@ def iter_tensors(path: str | Path, wanted: set[str] | None = None,
     def wants(name: str) -> bool:
         return wanted is None or name in wanted
     scales = {} if fp8 is None else dict(_read_tensors(
-        path, lambda name: name.endswith(SCALE_SUFFIX) and wants(name.removesuffix(SCALE_SUFFIX))))
-    for name, tensor in _read_tensors(path, lambda name: wants(name) and name not in scales, part):
+        path, lambda name: name.endswith(SCALE_SUFFIX) and wants(name.removesuffix(SCALE_SUFFIX)),
+        task=f"loading FP8 scales from {Path(path).name}"))
+    for name, tensor in _read_tensors(path, lambda name: wants(name) and name not in scales, part,
+                                      task=f"loading weights from {Path(path).name}"):
         if tensor.dtype in FP8_DTYPES:
             if fp8 is None or name + SCALE_SUFFIX not in scales:
                 raise ValueError(f"{name} is stored in {tensor.dtype} without block scales ({name}{SCALE_SUFFIX} "
@@ -53,14 +56,30 @@ def iter_tensors(path: str | Path, wanted: set[str] | None = None,
         yield name, tensor
 
 
-def _read_tensors(path: str | Path, keep: Callable[[str], bool],
-                  part: TensorPart | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    for file in checkpoint_files(path):
-        with safe_open(str(file), framework="pt") as shard:
-            for name in shard.keys():
-                if keep(name):
-                    index = part(name) if part else None
-                    yield name, shard.get_tensor(name) if index is None else shard.get_slice(name)[index]
+def _read_tensors(path: str | Path, keep: Callable[[str], bool], part: TensorPart | None = None, *,
+                  task: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """The kept tensors, shard by shard, with the progress of `task`: the shard, and the bytes the kept tensors
+    take in the checkpoint (a tensor counts whole once its `part` is read)."""
+    files = checkpoint_files(path)
+    kept = [{name: size for name, size in _stored_bytes(file).items() if keep(name)} for file in files]
+    total = sum(sum(sizes.values()) for sizes in kept)
+    with Progress(task, total, unit="B", detail=f"shard 1/{len(files)}") as progress:
+        for number, (file, sizes) in enumerate(zip(files, kept), 1):
+            progress.note(f"shard {number}/{len(files)}")
+            with safe_open(str(file), framework="pt") as shard:
+                for name in shard.keys():
+                    if name in sizes:
+                        index = part(name) if part else None
+                        yield name, shard.get_tensor(name) if index is None else shard.get_slice(name)[index]
+                        progress.advance(sizes[name])
+
+
+def _stored_bytes(file: Path) -> dict[str, int]:
+    """Each tensor's size in a safetensors file, from its header alone (a little-endian u64 length, then JSON)."""
+    with open(file, "rb") as handle:
+        header = json.loads(handle.read(int.from_bytes(handle.read(8), "little")))
+    return {name: entry["data_offsets"][1] - entry["data_offsets"][0] for name, entry in header.items()
+            if name != "__metadata__"}
 
 
 def load_causal_lm(path: str | Path, dtype: str | torch.dtype | None = None,

@@ -94,7 +94,7 @@ class DrafterInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DrafterInfoReply(_message.Message):
-    __slots__ = ("replica_id", "drafter_kind", "block_size", "context_window", "target_layer_ids", "feature_dim", "max_tree_budget", "open_sessions")
+    __slots__ = ("replica_id", "drafter_kind", "block_size", "context_window", "target_layer_ids", "feature_dim", "max_tree_budget", "open_sessions", "dtype", "device", "cuda_graphs")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_KIND_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -103,6 +103,9 @@ class DrafterInfoReply(_message.Message):
     FEATURE_DIM_FIELD_NUMBER: _ClassVar[int]
     MAX_TREE_BUDGET_FIELD_NUMBER: _ClassVar[int]
     OPEN_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    CUDA_GRAPHS_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     drafter_kind: str
     block_size: int
@@ -111,4 +114,7 @@ class DrafterInfoReply(_message.Message):
     feature_dim: int
     max_tree_budget: int
     open_sessions: int
-    def __init__(self, replica_id: _Optional[str] = ..., drafter_kind: _Optional[str] = ..., block_size: _Optional[int] = ..., context_window: _Optional[int] = ..., target_layer_ids: _Optional[_Iterable[int]] = ..., feature_dim: _Optional[int] = ..., max_tree_budget: _Optional[int] = ..., open_sessions: _Optional[int] = ...) -> None: ...
+    dtype: str
+    device: str
+    cuda_graphs: int
+    def __init__(self, replica_id: _Optional[str] = ..., drafter_kind: _Optional[str] = ..., block_size: _Optional[int] = ..., context_window: _Optional[int] = ..., target_layer_ids: _Optional[_Iterable[int]] = ..., feature_dim: _Optional[int] = ..., max_tree_budget: _Optional[int] = ..., open_sessions: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., cuda_graphs: _Optional[int] = ...) -> None: ...

@@ -85,11 +85,12 @@ class GatewayServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Generate(self, request, context):
-        """Generate, streaming one chunk per verify step and a summary last. Without a session this is a
-        one-shot generation on a fresh session; with one it continues that session after appending the
-        new text. A cancelled call stops generation within one step. A failure after the first chunk
-        ends the stream with its status (UNAVAILABLE when the verifier is lost); the chunks before it
-        stand.
+        """Generate, streaming one chunk per verify step and a summary last; before the first chunk, a
+        prompt (or appended text) longer than one prefill chunk sends its prefill progress. Without a
+        session this is a one-shot generation on a fresh session; with one it continues that session
+        after appending the new text. A cancelled call stops generation within one step. A failure
+        after the first chunk ends the stream with its status (UNAVAILABLE when the verifier is lost);
+        the chunks before it stand.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -1,6 +1,6 @@
 """What every ddtree.v1 server runs alongside its service: message limits, connection ageing (so clients
-re-resolve and find new replicas), keepalive, binding, grpc.health.v1 and server reflection, and how a
-server's start fails; plus the channel options its clients use."""
+re-resolve and find new replicas), keepalive, binding (plaintext or TLS: proto/security.py), grpc.health.v1 and
+server reflection, and how a server's start fails; plus the channel options its clients use."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import signal
 import socket
 import sys
 import threading
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
 import grpc
@@ -20,6 +20,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry, start_http_server
 
+from proto.security import NO_AUTH, InternalAuth, is_loopback
 from proto.undecodable import RejectUndecodable
 
 MAX_MESSAGE_BYTES = 64 << 20
@@ -28,6 +29,7 @@ MAX_MESSAGE_BYTES = 64 << 20
 KEEPALIVE_SERVER_OPTIONS = [("grpc.keepalive_permit_without_calls", 1),
                             ("grpc.http2.min_recv_ping_interval_without_data_ms", 1000),
                             ("grpc.http2.max_ping_strikes", 0)]
+log = logging.getLogger(__name__)
 _serving = threading.Event()  # set once a server waits for its stop signal: what fails before is a start failure
 
 
@@ -66,9 +68,11 @@ def server_options(max_message_bytes: int = MAX_MESSAGE_BYTES, max_connection_ag
     return options
 
 
-def new_server(options: list[tuple[str, int]]) -> grpc.aio.Server:
-    """Every ddtree.v1 server: requests that do not parse get INVALID_ARGUMENT naming the field."""
-    return grpc.aio.server(options=options, interceptors=[RejectUndecodable()])
+def new_server(options: list[tuple[str, int]],
+               interceptors: Sequence[grpc.aio.ServerInterceptor] = ()) -> grpc.aio.Server:
+    """Every ddtree.v1 server: requests that do not parse get INVALID_ARGUMENT naming the field. `interceptors`
+    (a caller check) run first."""
+    return grpc.aio.server(options=options, interceptors=[*interceptors, RejectUndecodable()])
 
 
 def check_bindable(address: str) -> None:
@@ -102,11 +106,14 @@ def serve_metrics(registry: CollectorRegistry, port: int, addr: str):
     return server
 
 
-def bind(server: grpc.aio.Server, address: str) -> int:
-    """server.add_insecure_port(address), failing with a BindError that names the address and the cause."""
+def bind(server: grpc.aio.Server, address: str, credentials: grpc.ServerCredentials | None = None) -> int:
+    """Listen on `address`, with TLS when there are `credentials`, failing with a BindError that names the
+    address and the cause."""
     check_bindable(address)
     try:
-        return server.add_insecure_port(address)
+        if credentials is None:
+            return server.add_insecure_port(address)
+        return server.add_secure_port(address, credentials)
     except RuntimeError:
         raise BindError(f"cannot listen on {address} (gRPC's log line above says why)") from None
 
@@ -129,15 +136,19 @@ async def mark_serving(health_servicer: health.aio.HealthServicer, service_names
 class ServiceServer:
     """One ddtree.v1 service on a server of its own (see new_server) beside grpc.health.v1 and reflection,
     bound to `listen` on construction: a taken address fails before the caller starts its own machinery.
-    `add_servicer` is the generated `add_<Service>Servicer_to_server`."""
+    `add_servicer` is the generated `add_<Service>Servicer_to_server`; every call, health checks included, must
+    show `auth`."""
 
     def __init__(self, service_name: str, add_servicer: Callable[[Any, grpc.aio.Server], None], servicer: Any,
-                 listen: str, options: list[tuple[str, int]]):
+                 listen: str, options: list[tuple[str, int]], auth: InternalAuth = NO_AUTH):
         self.service_names = [service_name]
-        self.server = new_server(options)
+        self.server = new_server(options, auth.server_interceptors())
         add_servicer(servicer, self.server)
         self.health = add_health_and_reflection(self.server, self.service_names)
-        self.port = bind(self.server, listen)
+        self.port = bind(self.server, listen, auth.server_credentials())
+        if auth.kind == "nothing" and not is_loopback(listen):
+            log.warning("%s on %s accepts internal calls from anyone who reaches it: give it the deployment's "
+                        "credentials (--internal-*, docs/security.md)", service_name, listen)
 
     async def start(self) -> None:
         """Accept calls and report SERVING."""

@@ -50,7 +50,7 @@ class VerifierGenerateRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., append_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., keep_session: _Optional[bool] = ...) -> None: ...
 
 class VerifierGenerateStep(_message.Message):
-    __slots__ = ("step", "token_ids", "acceptance_length", "drafted_nodes", "finished", "stop_reason", "num_tokens", "timings")
+    __slots__ = ("step", "token_ids", "acceptance_length", "drafted_nodes", "finished", "stop_reason", "num_tokens", "timings", "prefill")
     STEP_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTANCE_LENGTH_FIELD_NUMBER: _ClassVar[int]
@@ -59,6 +59,7 @@ class VerifierGenerateStep(_message.Message):
     STOP_REASON_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_FIELD_NUMBER: _ClassVar[int]
     step: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     acceptance_length: int
@@ -67,7 +68,8 @@ class VerifierGenerateStep(_message.Message):
     stop_reason: _common_pb2.StopReason
     num_tokens: int
     timings: _common_pb2.StepTimings
-    def __init__(self, step: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., acceptance_length: _Optional[int] = ..., drafted_nodes: _Optional[int] = ..., finished: _Optional[bool] = ..., stop_reason: _Optional[_Union[_common_pb2.StopReason, str]] = ..., num_tokens: _Optional[int] = ..., timings: _Optional[_Union[_common_pb2.StepTimings, _Mapping]] = ...) -> None: ...
+    prefill: _common_pb2.PrefillProgress
+    def __init__(self, step: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., acceptance_length: _Optional[int] = ..., drafted_nodes: _Optional[int] = ..., finished: _Optional[bool] = ..., stop_reason: _Optional[_Union[_common_pb2.StopReason, str]] = ..., num_tokens: _Optional[int] = ..., timings: _Optional[_Union[_common_pb2.StepTimings, _Mapping]] = ..., prefill: _Optional[_Union[_common_pb2.PrefillProgress, _Mapping]] = ...) -> None: ...
 
 class VerifierForkSessionRequest(_message.Message):
     __slots__ = ("session_id",)
@@ -110,7 +112,7 @@ class VerifierInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class VerifierInfoReply(_message.Message):
-    __slots__ = ("model_name", "page_size", "kv_capacity_pages", "free_pages", "max_context", "vocab_size", "eos_token_ids", "active_sessions", "max_tree_nodes", "session_lease_s")
+    __slots__ = ("model_name", "page_size", "kv_capacity_pages", "free_pages", "max_context", "vocab_size", "eos_token_ids", "active_sessions", "max_tree_nodes", "session_lease_s", "dtype", "device", "cuda_graphs", "drafters_connected")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
     KV_CAPACITY_PAGES_FIELD_NUMBER: _ClassVar[int]
@@ -121,6 +123,10 @@ class VerifierInfoReply(_message.Message):
     ACTIVE_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     MAX_TREE_NODES_FIELD_NUMBER: _ClassVar[int]
     SESSION_LEASE_S_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    CUDA_GRAPHS_FIELD_NUMBER: _ClassVar[int]
+    DRAFTERS_CONNECTED_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     page_size: int
     kv_capacity_pages: int
@@ -131,4 +137,8 @@ class VerifierInfoReply(_message.Message):
     active_sessions: int
     max_tree_nodes: int
     session_lease_s: float
-    def __init__(self, model_name: _Optional[str] = ..., page_size: _Optional[int] = ..., kv_capacity_pages: _Optional[int] = ..., free_pages: _Optional[int] = ..., max_context: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., active_sessions: _Optional[int] = ..., max_tree_nodes: _Optional[int] = ..., session_lease_s: _Optional[float] = ...) -> None: ...
+    dtype: str
+    device: str
+    cuda_graphs: int
+    drafters_connected: int
+    def __init__(self, model_name: _Optional[str] = ..., page_size: _Optional[int] = ..., kv_capacity_pages: _Optional[int] = ..., free_pages: _Optional[int] = ..., max_context: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., active_sessions: _Optional[int] = ..., max_tree_nodes: _Optional[int] = ..., session_lease_s: _Optional[float] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., cuda_graphs: _Optional[int] = ..., drafters_connected: _Optional[int] = ...) -> None: ...

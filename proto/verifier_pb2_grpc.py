@@ -82,8 +82,9 @@ class VerifierServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Generate(self, request, context):
-        """Generate on a session, one message per verify step. Cancelling the call stops generation
-        within one step; the session is then kept or released as the request says.
+        """Generate on a session, one message per verify step, after the appended tokens' prefill progress
+        (VerifierGenerateStep.prefill). Cancelling the call stops generation within one step (or one prefill
+        chunk); the session is then kept or released as the request says.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

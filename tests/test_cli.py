@@ -178,8 +178,9 @@ def test_serve_reports_the_child_that_failed_and_its_log(tmp_path):
     result = run(sys.executable, "-m", "ddtree.cli", "serve", "--target", "/nonexistent", "--drafter", "none",
                  "--log-dir", str(log_dir), "--listen", f"127.0.0.1:{free_port()}")
     assert result.returncode == 1
-    starting, error = result.stderr.splitlines()
+    starting, *progress, error = result.stderr.splitlines()
     assert starting.startswith("starting ") and str(log_dir) in starting
+    assert all(line.startswith("starting the stack: ") for line in progress)
     assert error.startswith("error: verifier failed to start: /nonexistent/config.json not found")
     assert error.endswith(f"(log: {log_dir / 'verifier.log'})")
     assert (log_dir / "verifier.log").is_file()
@@ -302,6 +303,9 @@ class Generation(list):
         self.summary = summary
         self.text = "".join(chunk.text for chunk in chunks)
         self.token_ids = [0] * len(chunks)
+
+    def events(self) -> list:
+        return self
 
 
 @pytest.mark.parametrize("summary", [None, SimpleNamespace(stop_reason=common_pb2.STOP_REASON_ERROR)])

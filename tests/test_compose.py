@@ -2,10 +2,12 @@
 
 Offline (no marker): the build context is what docker/Dockerfile copies; Prometheus scrapes every service on its
 metrics port; the Grafana dashboard asks only for metrics the services export. With Docker: every compose file
-and layout is checked through `docker-compose config` (the GPU ones cannot run here). Then
+and layout is checked through `docker-compose config` (the GPU ones cannot run here), TLS on in each. Then
 scripts/docker_setup.sh prepares the host (dockerd, the debootstrap base image, host wheels) and the CPU variant
-is built once (by `init`) and brought up with a tensor-parallel verifier of 2 gloo ranks and the file's 2
-drafter replicas. Generations go through the published gateway and must equal `ddtree offline` on the
+is built once (by `init`) and brought up, with certificates from scripts/make_dev_certs.py (the gateway's port
+serves TLS, internal calls are mutual TLS), a tensor-parallel verifier of 2 gloo ranks and the file's 2
+drafter replicas. Generations go through the published gateway (a plaintext client is refused) and must equal
+`ddtree offline` on the
 checkpoint the containers made; then, without an operator: a drafter stopped mid-generation (still exact), a
 plain `up -d` (the drafter count kept), the verifier's process killed (restarted; `ddtree generate` exits 1 with
 the status), a tensor-parallel rank killed (the verifier exits and is restarted). A misspelled drafter path
@@ -36,8 +38,10 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
-from ddtree.client import Client, Generation
-from ddtree.local_stack import free_port, wait_healthy
+from ddtree.client import Client, GatewayError, Generation
+from ddtree.local_stack import free_port
+from proto.healthcheck import check
+from proto.security import Tls, client_channel
 
 docker_test = pytest.mark.docker
 
@@ -221,6 +225,7 @@ def check_common(services: dict, image: str) -> None:
         assert "container_name" not in service  # a fixed name would forbid replicas
         assert service["depends_on"].get("init", {"condition": "service_completed_successfully"}) == \
             {"condition": "service_completed_successfully"}
+    check_tls(services, SERVICES)
     for name, service in services.items():
         logging = service["logging"]
         assert logging["driver"] == "json-file" and {"max-size", "max-file"} <= set(logging["options"]), name
@@ -229,6 +234,19 @@ def check_common(services: dict, image: str) -> None:
     assert {name for name, service in services.items() if "profiles" in service} == MONITORING
     assert {name for name, service in services.items() if service.get("ports") and name not in MONITORING} == \
         {"gateway"}
+
+
+def check_tls(services: dict, names: set[str]) -> None:
+    """The gateway serves TLS; every service calls and answers the others with mutual TLS, and the healthchecks
+    dial as they do."""
+    for name in names:
+        environment, test = services[name]["environment"], services[name]["healthcheck"]["test"]
+        assert {"DDTREE_INTERNAL_CA", "DDTREE_INTERNAL_CERT", "DDTREE_INTERNAL_KEY"} <= set(environment), name
+        if name == "gateway":
+            assert {"DDTREE_TLS_CERT", "DDTREE_TLS_KEY"} <= set(environment)
+            assert test[-2:] == ["--tls-ca", "/certs/ca.crt"]
+        else:
+            assert test[-1] == "--internal", name
 
 
 @docker_test
@@ -270,6 +288,7 @@ def test_verifier_per_gpu_layout_has_seven_single_gpu_verifiers_behind_the_gatew
         assert services[name]["depends_on"]["drafter"] == {"condition": "service_healthy"}
         assert services[name]["healthcheck"]["test"] == services["verifier"]["healthcheck"]["test"]
         assert services[name]["logging"] == services["verifier"]["logging"]
+    check_tls(services, set(replicas))
     assert tensor_parallel(services["init"]) == "1"  # what the preflight checks
     verifiers = services["gateway"]["environment"]["DDTREE_VERIFIERS"].split(",")
     assert verifiers == [f"{name}:50053" for name in replicas]  # the gateway spreads sessions over them
@@ -282,6 +301,7 @@ def test_extra_drafter_file_pins_a_second_gpu(docker_client) -> None:
     services = compose_config(GPU_FILE, EXTRA_DRAFTER_FILE)["services"]
     assert gpus(services["drafter"]) == ["0"] and gpus(services["drafter-gpu1"]) == ["1"]
     assert services["drafter-gpu1"]["networks"]["default"]["aliases"] == ["drafter"]  # behind the same DNS name
+    check_tls(services, {"drafter-gpu1"})
     assert "build" not in services["drafter-gpu1"] and services["drafter-gpu1"]["image"] == services["drafter"]["image"]
 
 
@@ -312,6 +332,7 @@ class Stack:
     docker: object  # docker.DockerClient
     model_dir: Path
     log: Path
+    certs: Path  # scripts/make_dev_certs.py's files, mounted at /certs
     down_done: bool = False
     expected: dict[tuple[str, int], list[int]] = field(default_factory=dict)  # offline outputs
 
@@ -336,7 +357,18 @@ class Stack:
             time.sleep(1)
 
     def client(self) -> Client:
-        return Client(self.gateway, timeout=120)
+        return Client(self.gateway, timeout=120, tls=self.tls)
+
+    @property
+    def tls(self) -> Tls:
+        return Tls(ca=str(self.certs / "ca.crt"))
+
+    def wait_for_gateway(self, timeout_s: float) -> None:
+        """Until the published gateway port answers SERVING, over TLS."""
+        deadline = time.monotonic() + timeout_s
+        while check(self.gateway, timeout_s=1, dial=lambda address: client_channel(address, self.tls)) != "SERVING":
+            assert time.monotonic() < deadline, f"{self.gateway} not healthy after {timeout_s:.0f} s"
+            time.sleep(0.2)
 
     def verifier(self):
         (verifier,) = self.containers("verifier")
@@ -409,25 +441,27 @@ def remove_new_images(client, before: set[str], tag: str) -> None:
             client.api.remove_image(image, force=True)
 
 
-def new_stack(docker_client, project: str, log_dir: Path, **env: str) -> Stack:
+def new_stack(docker_client, project: str, log_dir: Path, certs: Path, **env: str) -> Stack:
     port = free_port()
     # a tag of its own: an image a user built under the default tag stays as it is
-    env = {"DDTREE_IMAGE": f"ddtree-serve:{project}", "DDTREE_GATEWAY_PORT": str(port), **env}
+    env = {"DDTREE_IMAGE": f"ddtree-serve:{project}", "DDTREE_GATEWAY_PORT": str(port), "DDTREE_CERTS": str(certs),
+           **env}
     return Stack(project, ["docker-compose", "-p", project, "-f", CPU_FILE], compose_env(**env), f"127.0.0.1:{port}",
-                 docker_client, log_dir / "models", log_dir / f"{project}.log")
+                 docker_client, log_dir / "models", log_dir / f"{project}.log", certs)
 
 
 @pytest.fixture(scope="module")
 def stack(docker_client, tmp_path_factory):
     project = f"ddtree-test-{uuid.uuid4().hex[:8]}"
-    stack = new_stack(docker_client, project, tmp_path_factory.mktemp(project),
-                      DDTREE_TENSOR_PARALLEL=str(TENSOR_PARALLEL))
+    log_dir = tmp_path_factory.mktemp(project)
+    subprocess.run([sys.executable, "scripts/make_dev_certs.py", str(log_dir / "certs")], cwd=REPO, check=True)
+    stack = new_stack(docker_client, project, log_dir, log_dir / "certs", DDTREE_TENSOR_PARALLEL=str(TENSOR_PARALLEL))
     with contextlib.ExitStack() as cleanup:  # runs the callbacks last first, each even when another fails
         cleanup.callback(remove_new_images, docker_client, set(image_parents(docker_client)), stack.env["DDTREE_IMAGE"])
         cleanup.callback(stack.down)
         stack.run("build", "--force-rm", "init", check=True)  # the one image all services run, from docker/wheels
         stack.run("up", "-d", check=True)  # the drafter count is the file's
-        wait_healthy(stack.gateway, timeout_s=300)  # through the published port
+        stack.wait_for_gateway(timeout_s=300)  # through the published port
         stack.wait_for_docker_health(timeout_s=60)
         copy_models_out(stack.verifier(), stack.model_dir)
         yield stack
@@ -447,6 +481,8 @@ def test_generation_through_the_gateway_equals_offline(stack) -> None:
     list(generation)
     assert generation.token_ids == stack.offline(PROMPT, MAX_NEW)
     assert generation.summary.generated_tokens == MAX_NEW
+    with Client(stack.gateway, timeout=30) as plaintext, pytest.raises(GatewayError, match="may require TLS"):
+        plaintext.list_models()
 
 
 @docker_test
@@ -548,6 +584,7 @@ def test_a_killed_verifier_comes_back_and_generate_exits_with_the_status(stack) 
     verifier, gateway = stack.verifier(), stack.containers("gateway")[0]
     restarts = verifier.attrs["RestartCount"]
     cli = subprocess.Popen([sys.executable, "-m", "ddtree.cli", "generate", PROMPT, "--gateway", stack.gateway,
+                            "--tls-ca", str(stack.certs / "ca.crt"),
                             "--max-new-tokens", "4000", "--ignore-eos"], cwd=REPO, stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True)
     try:
@@ -561,7 +598,7 @@ def test_a_killed_verifier_comes_back_and_generate_exits_with_the_status(stack) 
     assert err.startswith("error: UNAVAILABLE: "), err
     assert time.monotonic() - killed < 30
     restarted(verifier, restarts + 1, timeout_s=120)
-    wait_healthy(stack.gateway, timeout_s=30)
+    stack.wait_for_gateway(timeout_s=30)
     generate_exactly(stack)
     gateway.reload()
     assert gateway.attrs["RestartCount"] == 0  # the verifier was back long before the gateway's timeout
@@ -582,13 +619,13 @@ def test_a_verifier_that_lost_a_rank_exits_and_comes_back(stack) -> None:
     restarts, since = verifier.attrs["RestartCount"], int(time.time())
     (follower,) = follower_pids(verifier)
     os.kill(follower, signal.SIGKILL)
-    code, out = verifier.exec_run(["python", "-m", "proto.healthcheck", "127.0.0.1:50053"])
+    code, out = verifier.exec_run(["python", "-m", "proto.healthcheck", "127.0.0.1:50053", "--internal"])
     assert (code, out.decode().split()[-1]) == (1, "NOT_SERVING")
     restarted(verifier, restarts + 1, timeout_s=120)
     logs = verifier.logs(since=since).decode()
     assert "tensor-parallel rank 1 exited with code -9: the verifier stops serving" in logs
     assert "exiting with status 3 for a restart" in logs
-    wait_healthy(stack.gateway, timeout_s=30)
+    stack.wait_for_gateway(timeout_s=30)
     generate_exactly(stack)
 
 
@@ -596,7 +633,7 @@ def test_a_verifier_that_lost_a_rank_exits_and_comes_back(stack) -> None:
 def test_a_misspelled_checkpoint_stops_up_at_the_preflight(stack, tmp_path) -> None:
     """No service starts (so none loops); `up` fails in seconds naming init's container, whose log has the
     cause; `down -v` removes all of the project."""
-    bad = new_stack(stack.docker, f"{stack.project}-bad", tmp_path, DDTREE_IMAGE=stack.env["DDTREE_IMAGE"],
+    bad = new_stack(stack.docker, f"{stack.project}-bad", tmp_path, stack.certs, DDTREE_IMAGE=stack.env["DDTREE_IMAGE"],
                     DDTREE_DRAFTER="/models/typo")
     try:
         started = time.monotonic()

@@ -361,6 +361,7 @@ def test_the_tree_drafter_on_the_gpu_drafts_the_same_trees_from_graphs(tmp_path,
     on_cpu = DFlashDrafter(copy.deepcopy(model).cpu(), window, max_budget=20, max_sessions=4)
     graphed.warmup()
     assert sorted(graphed.graphs.captured) == [1, 2, 4] and not eager.graphs.captured
+    assert (graphed.captured_graphs, eager.captured_graphs) == (3, 0)
     assert not DFlashDrafter(model, None).graphs.graphed  # no window: no fixed shapes to capture
     generator = torch.Generator().manual_seed(7)
     features = torch.randn(60, model.config.feature_dim, generator=generator).cuda()

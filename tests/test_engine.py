@@ -325,7 +325,9 @@ def test_graph_replays_equal_the_eager_forward(tiny_target) -> None:
 @pytest.mark.gpu
 def test_warm_up_captures_what_the_first_requests_need(tiny_target) -> None:
     engine = make_engine(tiny_target, device="cuda", attention="triton", max_batch_tokens=256)
-    assert engine.warm_up(16) == len(engine.graphs.graphs) > 0
+    tracked = []  # what a progress reporter is handed: one batch per bucket
+    assert engine.warm_up(16, lambda todo: tracked.extend(todo) or todo) == len(engine.graphs.graphs) == len(tracked)
+    assert tracked
     captured = set(engine.graphs.graphs)
     session, _ = engine.create_session(prompt_of(30))  # prefill chunks of 24 and 5 rows
     engine.start_generation(session.session_id, GREEDY)

@@ -495,7 +495,7 @@ def test_cli_generate_and_sessions(env, capsys: pytest.CaptureFixture[str]) -> N
 
 
 def test_gateway_and_client_import_no_torch() -> None:
-    code = ("import sys, gateway.server, gateway.servicer, ddtree.client, ddtree.client_cli; "
+    code = ("import sys, gateway.server, gateway.servicer, ddtree.client, ddtree.client_cli, ddtree.chat, ddtree.cli; "
             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[1])
 

@@ -126,6 +126,23 @@ def test_completions_equal_grpc_for_text_and_token_ids(stack, reference) -> None
     assert chunks[-1].choices[0].finish_reason == finish_reason(generation) and chunks[-1].usage is None
 
 
+def test_a_long_prompts_prefill_progress_stays_out_of_the_http_api(stack, reference) -> None:
+    """Over gRPC a prompt longer than one prefill chunk (256 tokens) sends its prefill's progress before the first
+    chunk; over HTTP the same generation is OpenAI's chunks alone, with the same text."""
+    prompt = [1 + i % 250 for i in range(700)]
+    generation = grpc_client(stack).generate(token_ids=prompt, max_new_tokens=MAX_NEW)
+    events = list(generation.events())
+    assert any(isinstance(event, common_pb2.PrefillProgress) for event in events)
+    assert generation.token_ids == reference(prompt)
+    client = oai(stack)
+    reply = client.completions.create(model=model(stack), prompt=prompt, max_tokens=MAX_NEW, temperature=0)
+    assert reply.choices[0].text == visible(generation) and reply.usage.prompt_tokens == len(prompt)
+    chunks = list(client.completions.create(model=model(stack), prompt=prompt, max_tokens=MAX_NEW, temperature=0,
+                                            stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == visible(generation)
+    assert all(c.choices[0].text or c.choices[0].finish_reason for c in chunks)
+
+
 def test_stop_strings_cut_the_text(stack) -> None:
     generation = grpc_client(stack).generate(PROMPT, max_new_tokens=40)
     generation.result()

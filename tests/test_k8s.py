@@ -1,6 +1,6 @@
 """The Kubernetes manifests (k8s/), offline: every object is valid against the Kubernetes schemas (strictly: an
 unknown field fails) for the oldest and the newest version checked, and the objects fit together (selectors,
-ports, GPU counts, the gateway's verifier list, probes, disruption budgets). No cluster is needed."""
+ports, GPU counts, the gateway's verifier list, probes, certificates, disruption budgets). No cluster is needed."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import yaml
 kubernetes_validate = pytest.importorskip("kubernetes_validate")  # the test extra
 
 K8S = Path(__file__).resolve().parents[1] / "k8s"
-VERSIONS = ("1.29.0", kubernetes_validate.utils.latest_version())  # gRPC probes are GA since 1.27
+VERSIONS = ("1.29.0", kubernetes_validate.utils.latest_version())
 PORTS = {"gateway": 50051, "drafter": 50052, "verifier": 50053}
 COMPONENT = "app.kubernetes.io/component"
 
@@ -68,8 +68,8 @@ def test_every_object_is_valid_against_the_kubernetes_schemas(version: str) -> N
 
 def test_the_schema_check_catches_an_unknown_field() -> None:
     verifier = workloads()["verifier"]
-    container(verifier)["readinessProbe"]["grcp"] = container(verifier)["readinessProbe"].pop("grpc")
-    with pytest.raises(kubernetes_validate.ValidationError, match="grcp"):
+    container(verifier)["readinessProbe"]["exce"] = container(verifier)["readinessProbe"].pop("exec")
+    with pytest.raises(kubernetes_validate.ValidationError, match="exce"):
         kubernetes_validate.validate(verifier, VERSIONS[0], strict=True)
 
 
@@ -85,18 +85,37 @@ def test_each_service_selects_its_component_on_its_grpc_port() -> None:
     assert objects("Service")["verifier"]["spec"]["clusterIP"] == "None"  # pod names: verifier-N.verifier
 
 
-def test_probes_are_grpc_health_on_the_service_port() -> None:
+def health_check(probe: dict) -> list[str]:
+    """The probe's `python -m proto.healthcheck` command: gRPC probes cannot speak TLS."""
+    command = probe["exec"]["command"]
+    assert command[:3] == ["python", "-m", "proto.healthcheck"]
+    return command[3:]
+
+
+def test_probes_are_health_checks_on_the_service_port_over_tls() -> None:
     for component, workload in workloads().items():
         main = container(workload)
-        assert main["readinessProbe"]["grpc"] == {"port": PORTS[component]}, component
+        expected = ["--tls-ca", "/certs/ca.crt"] if component == "gateway" else ["--internal"]
+        assert health_check(main["readinessProbe"]) == [f"127.0.0.1:{PORTS[component]}", *expected], component
         assert main["args"][0] == component
     for component in ("drafter", "verifier"):  # a loading model gets its startup probe's time, then liveness
         main = container(workloads()[component])
-        assert main["startupProbe"]["grpc"] == main["livenessProbe"]["grpc"] == {"port": PORTS[component]}
+        assert main["startupProbe"]["exec"] == main["livenessProbe"]["exec"] == main["readinessProbe"]["exec"]
         probe = main["startupProbe"]
         assert probe["periodSeconds"] * probe["failureThreshold"] >= 900
     # the gateway's health follows its verifiers: liveness must not, or losing the verifiers restarts gateways
-    assert "grpc" not in container(workloads()["gateway"])["livenessProbe"]
+    assert "tcpSocket" in container(workloads()["gateway"])["livenessProbe"]
+
+
+def test_every_pod_mounts_the_certificates_and_uses_tls() -> None:
+    for component, workload in workloads().items():
+        pod = workload["spec"]["template"]["spec"]
+        (certs,) = [volume for volume in pod["volumes"] if volume["name"] == "certs"]
+        assert certs["secret"]["secretName"] == "ddtree-certs", component
+        for main in pod["containers"] + pod.get("initContainers", []):  # the preflight checks the files too
+            assert {"name": "certs", "mountPath": "/certs", "readOnly": True} in main["volumeMounts"], component
+            assert {"DDTREE_INTERNAL_CA", "DDTREE_INTERNAL_CERT", "DDTREE_INTERNAL_KEY"} <= env(main).keys()
+    assert {"DDTREE_TLS_CERT", "DDTREE_TLS_KEY"} <= env(container(workloads()["gateway"])).keys()
 
 
 def test_gpus_match_the_tensor_parallel_degree_and_the_preflight_checks_it() -> None:

@@ -14,7 +14,7 @@ from ddtree.client import AsyncClient, Client
 from ddtree.local_stack import LocalStack, free_port
 from ddtree.offline import generate_offline
 from modeling.tiny import make_tiny_drafter
-from proto import common_pb2
+from proto import common_pb2, gateway_pb2
 from tests import stack_helpers
 from tests.engine_helpers import make_engine
 from tests.stack_helpers import greedy_reference, kv_budget_mb, verifier_info
@@ -22,6 +22,7 @@ from verifier_service.engine.sampling import SamplingParams
 
 MAX_NEW = 24
 KV_PAGES = 160  # of 16 tokens: the verifier's --kv-budget-mb below holds exactly this many
+PREFILL_CHUNK = 64
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +32,7 @@ def stack(tiny_target, tmp_path_factory):
     stack = LocalStack(str(tiny_target), str(drafter), drafters=2, gateway_listen=f"127.0.0.1:{free_port()}",
                        verifier_args=("--page-size", "16", "--kv-budget-mb", kv_budget_mb(KV_PAGES),
                                       "--max-context", "4096", "--metrics-port", str(metrics_port),
-                                      "--tree-budget", "8"),
+                                      "--tree-budget", "8", "--prefill-chunk", str(PREFILL_CHUNK)),
                        log_dir=tmp_path_factory.mktemp("logs"))
     stack.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
     with stack:
@@ -77,6 +78,31 @@ def test_three_turns_equal_one_generation_over_the_concatenation(stack, referenc
         assert generation.token_ids == reference(history)
         history += generation.token_ids
     c.release_session(handle)
+
+
+def prefill_progress(events: list) -> list[tuple[int, int]]:
+    """The PrefillProgress events, which must all come before the first chunk, as (prefilled, total)."""
+    progress = [(e.prefilled_tokens, e.total_tokens) for e in events if isinstance(e, common_pb2.PrefillProgress)]
+    assert all(isinstance(e, gateway_pb2.GenerateChunk) for e in events[len(progress):])
+    return progress
+
+
+def test_a_long_prefill_reports_its_progress_on_the_stream(stack, reference) -> None:
+    """A prompt (or an appended turn) longer than one prefill chunk sends how far its prefill got between the
+    chunks, before the first generated chunk; one that fits a chunk sends nothing. The output stays exact."""
+    c = client(stack)
+    prompt = [1 + i % 250 for i in range(300)]
+    generation = c.generate(token_ids=prompt, keep_session=True, max_new_tokens=MAX_NEW)
+    assert prefill_progress(list(generation.events())) == [(64, 299), (128, 299), (192, 299), (256, 299)]
+    assert generation.token_ids == reference(prompt)
+    history = prompt + generation.token_ids
+    turn = [1 + i % 200 for i in range(150)]
+    appended = c.generate(token_ids=turn, session=generation.summary.session, max_new_tokens=MAX_NEW)
+    assert prefill_progress(list(appended.events())) == [(64, 150), (128, 150)]
+    assert appended.token_ids == reference(history + turn)
+    c.release_session(generation.summary.session)
+    short = c.generate(token_ids=prompt[:PREFILL_CHUNK], max_new_tokens=MAX_NEW)
+    assert prefill_progress(list(short.events())) == [] and short.token_ids == reference(prompt[:PREFILL_CHUNK])
 
 
 def test_fork_continues_both_branches_exactly(stack, reference) -> None:

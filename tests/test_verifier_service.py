@@ -16,7 +16,7 @@ from tests.engine_helpers import GREEDY, make_engine, plain_generate
 from verifier_service.batcher import StepBatcher
 from verifier_service.drafter_pool import DrafterPool, ReplicaLink
 from verifier_service.metrics import VerifierMetrics
-from verifier_service.service import VerifierService
+from verifier_service.service import PrefillEvent, StepEvent, VerifierService
 from verifier_service.servicer import run_ahead
 from verifier_service.worker import EngineWorker
 
@@ -154,7 +154,7 @@ def test_a_drafter_that_reads_features_gets_its_graphs_captured_before_the_first
     later and get theirs."""
     engine = make_engine(tiny_target)
     warmed = []
-    engine.warm_up = lambda tokens_per_session: warmed.append((engine.feature_layers, tokens_per_session)) or 3
+    engine.warm_up = lambda tokens, progress: warmed.append((engine.feature_layers, tokens)) or 3
 
     async def main() -> None:
         service = VerifierService(engine, DrafterPool("127.0.0.1:9", VerifierMetrics()), VerifierMetrics(),
@@ -167,6 +167,28 @@ def test_a_drafter_that_reads_features_gets_its_graphs_captured_before_the_first
 
     asyncio.run(main())
     assert warmed == [((), 8), ((1, 2), 8)]
+
+
+def test_a_long_appended_turn_reports_its_prefill_between_chunks_then_steps(tiny_target) -> None:
+    """The engine prefills in chunks of 24 tokens: a turn of 100 reports 24, 48, 72 and 96 done before the first
+    step, and the steps are those of the session prefilled in one go; a turn of one chunk reports nothing."""
+    engine = make_engine(tiny_target)
+    turn = [1 + i % 250 for i in range(100)]
+
+    async def main() -> tuple[list, list]:
+        service = VerifierService(engine, None, VerifierMetrics())
+        await service.start()
+        events = {}
+        for name, append in (("long", turn), ("short", turn[:24])):
+            session = await service.create_session(PROMPT)
+            events[name] = [e async for e in service.generate(session.session_id, append, GREEDY, False)]
+        await service.stop()
+        return events["long"], events["short"]
+
+    long, short = asyncio.run(main())
+    assert long[:4] == [PrefillEvent(done, 100) for done in (24, 48, 72, 96)]
+    assert all(isinstance(event, StepEvent) for event in long[4:]) and all(isinstance(e, StepEvent) for e in short)
+    assert [t for event in long[4:] for t in event.result.emitted] == plain_generate(engine, PROMPT + turn)
 
 
 def test_a_cancelled_prefill_and_a_lapsed_lease_release_their_sessions(tiny_target) -> None:

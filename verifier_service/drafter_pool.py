@@ -18,6 +18,7 @@ import torch
 from modeling.speculation import DraftStep, drafter_seed
 from modeling.tree import DraftTree
 from proto import drafter_pb2, drafter_pb2_grpc
+from proto.security import NO_AUTH, InternalAuth
 from proto.tensors import to_proto
 from verifier_service.metrics import VerifierMetrics
 
@@ -49,9 +50,9 @@ class ReplicaLink:
     replica until a probe (Info) answers again: a frozen replica costs one timeout, not one per step."""
 
     def __init__(self, address: str, on_session_error: Callable[[str], None], on_lost: Callable[[], None],
-                 channel_options: Sequence[tuple[str, int]] = ()):
+                 channel_options: Sequence[tuple[str, int]] = (), auth: InternalAuth = NO_AUTH):
         self.address = address
-        self.channel = grpc.aio.insecure_channel(address, options=list(channel_options))
+        self.channel = auth.channel(address, channel_options)
         self.stub = drafter_pb2_grpc.DrafterStub(self.channel)
         self.outbox: asyncio.Queue[drafter_pb2.DrafterRequest | None] = asyncio.Queue(OUTBOX_LIMIT)
         self.waiting: dict[tuple[str, int], asyncio.Future] = {}
@@ -159,10 +160,11 @@ class SessionDraftState:
 
 class DrafterPool:
     def __init__(self, target: str, metrics: VerifierMetrics, timeout_s: float = 1.0, refresh_s: float = 2.0,
-                 channel_options: Sequence[tuple[str, int]] = ()):
-        """channel_options: of every replica's channel (keepalive, so a frozen replica's stream breaks)."""
+                 channel_options: Sequence[tuple[str, int]] = (), auth: InternalAuth = NO_AUTH):
+        """channel_options: of every replica's channel (keepalive, so a frozen replica's stream breaks); auth:
+        the deployment's credentials, shown on every call."""
         self.target, self.metrics, self.timeout_s, self.refresh_s = target, metrics, timeout_s, refresh_s
-        self.channel_options = tuple(channel_options)
+        self.channel_options, self.auth = tuple(channel_options), auth
         self.links: dict[str, ReplicaLink] = {}
         self.sessions: dict[str, SessionDraftState] = {}
         self.round_robin = itertools.count()
@@ -198,7 +200,7 @@ class DrafterPool:
                 continue
             if link is not None:
                 await link.close()
-            link = ReplicaLink(address, self._session_error, self._reconnect_soon, self.channel_options)
+            link = ReplicaLink(address, self._session_error, self._reconnect_soon, self.channel_options, self.auth)
             try:
                 info = await link.connect(self.timeout_s)
             except (grpc.aio.AioRpcError, asyncio.TimeoutError):

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from modeling.config import ModelConfig
 from proto import verifier_pb2, verifier_pb2_grpc
+from proto.security import add_internal_auth_args, internal_auth
 from proto.serving import ServiceServer, channel_options, server_options, service_main
 from verifier_service.drafter_pool import DrafterPool
 from verifier_service.engine.config import ATTENTION_CHOICES, EngineConfig, resolve_attention
@@ -55,6 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--exit-after-failure-s", type=float, default=10.0,
                         help="after a lost rank the verifier reports NOT_SERVING this long, then exits with status "
                              f"{EXIT_CANNOT_SERVE} so that a restart policy brings it back; negative: it stays up")
+    add_internal_auth_args(parser)
     return parser
 
 
@@ -87,6 +89,7 @@ async def fail_when_a_rank_fails(group: TensorParallelGroup, service: VerifierSe
 
 
 async def serve(args: argparse.Namespace) -> None:
+    auth = internal_auth(args)  # NOTE: first: a bad secret file fails the start before the checkpoint loads
     config = engine_config(args, ModelConfig.from_dir(args.target))
     group = None
     if args.tensor_parallel > 1:
@@ -97,19 +100,20 @@ async def serve(args: argparse.Namespace) -> None:
     metrics = VerifierMetrics()
     drafters = None
     if args.drafters:
-        drafters = DrafterPool(args.drafters, metrics, args.draft_timeout_s, channel_options=channel_options())
+        drafters = DrafterPool(args.drafters, metrics, args.draft_timeout_s, channel_options=channel_options(),
+                               auth=auth)
     service = VerifierService(engine, drafters, metrics, tree_budget=args.tree_budget, inline_steps=group is None,
                               lease_s=args.session_lease_s)
 
     server = ServiceServer(SERVICE_NAME, verifier_pb2_grpc.add_VerifierServicer_to_server,
-                           VerifierServicer(service, Path(args.target).name), args.listen, server_options())
+                           VerifierServicer(service, Path(args.target).name), args.listen, server_options(), auth)
     if args.metrics_port:
         metrics.serve(args.metrics_port, args.metrics_addr)
     await service.start()
     await server.start()
     if group:
         watchdog = asyncio.create_task(fail_when_a_rank_fails(group, service, server, args.exit_after_failure_s))
-    logging.info("verifier listening on port %d", server.port)
+    logging.info("verifier listening on port %d (internal callers show %s)", server.port, auth.kind)
     await server.serve_until_signal(grace_s=2.0)
     await service.stop()
     if group:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import secrets
@@ -13,6 +14,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
+from ddtree.progress import track
 from modeling.speculation import StepCursor, feature_tail
 from modeling.tree import DraftTree, TreeError
 from verifier_service.batcher import StepBatcher
@@ -41,6 +43,36 @@ class StepEvent:
     drafted_nodes: int
     draft_wait_s: float
     verify_s: float
+
+
+@dataclass(frozen=True)
+class PrefillEvent:
+    """Between two chunks of a generation's prefill: the tokens prefilled so far, of `total`."""
+
+    done: int
+    total: int
+
+
+class PrefillReports:
+    """A prefill's progress, told on the engine thread, as PrefillEvents on the event loop."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.events: asyncio.Queue[PrefillEvent | None] = asyncio.Queue()
+
+    def report(self, done: int, total: int) -> None:
+        """The engine's `on_progress` (its thread)."""
+        self.loop.call_soon_threadsafe(self.events.put_nowait, PrefillEvent(done, total))
+
+    async def until(self, prefill: asyncio.Future) -> AsyncIterator[PrefillEvent]:
+        """The events told until `prefill` ends; a reader that goes away first cancels it and waits for it."""
+        prefill.add_done_callback(lambda _: self.events.put_nowait(None))
+        try:
+            while (event := await self.events.get()) is not None:
+                yield event
+        finally:
+            prefill.cancel()  # NOTE: a no-op once it ended
+            await asyncio.gather(prefill, return_exceptions=True)
 
 
 def _log_warm_up(warming: asyncio.Future) -> None:
@@ -80,7 +112,8 @@ class VerifierService:
     def _warm_up(self) -> None:
         """Capture the engine's graphs for steps of this tree budget on the engine thread (requests queue
         behind it) rather than in the middle of the first steps."""
-        self.warming = asyncio.ensure_future(self.worker.call(self.engine.warm_up, self.tree_budget + 1))
+        capturing = functools.partial(track, task="capturing CUDA graphs", unit="graphs")
+        self.warming = asyncio.ensure_future(self.worker.call(self.engine.warm_up, self.tree_budget + 1, capturing))
         self.warming.add_done_callback(_log_warm_up)
 
     async def start(self) -> None:
@@ -114,12 +147,12 @@ class VerifierService:
     async def _call(self, fn: Callable[..., T], *args, **kwargs) -> T:
         return await self._engine_work(functools.partial(self.worker.call, fn, *args, **kwargs))
 
-    async def _prefill(self, fn: Callable[..., T], *args) -> T:
+    async def _prefill(self, fn: Callable[..., T], *args, **kwargs) -> T:
         """An engine prefill that stops at its next chunk once the awaiting call is cancelled (a client gone
         during a 128k prompt must not hold the engine for the rest of it)."""
         stop = threading.Event()
         try:
-            return await self._call(fn, *args, should_stop=stop.is_set)
+            return await self._call(fn, *args, should_stop=stop.is_set, **kwargs)
         except asyncio.CancelledError:
             stop.set()
             raise
@@ -214,8 +247,9 @@ class VerifierService:
     # ---- generation ------------------------------------------------------------------------------------
 
     async def generate(self, session_id: str, append: list[int], params: SamplingParams,
-                       keep_session: bool) -> AsyncIterator[StepEvent]:
-        """Steps until a stop; on cancellation or error the session is kept or released as asked.
+                       keep_session: bool) -> AsyncIterator[PrefillEvent | StepEvent]:
+        """The appended tokens' prefill progress (between its chunks, when it takes more than one), then steps
+        until a stop; on cancellation or error the session is kept or released as asked.
         NOTE: appended tokens stay in the session even if generation fails afterwards."""
         self._check_idle(session_id)
         session = self.engine.session(session_id)
@@ -223,7 +257,13 @@ class VerifierService:
         try:
             params.validate()
             if append:
-                features = await self._prefill(self.engine.extend_session, session_id, append, self._feature_tail())
+                reports = PrefillReports()
+                prefill = asyncio.ensure_future(self._prefill(self.engine.extend_session, session_id, append,
+                                                              self._feature_tail(), on_progress=reports.report))
+                async with contextlib.aclosing(reports.until(prefill)) as events:
+                    async for event in events:
+                        yield event
+                features = prefill.result()
                 if self.drafters is not None:
                     self.drafters.add_features(session_id, features)
             await self._call(self.engine.start_generation, session_id, params)

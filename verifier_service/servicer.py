@@ -14,7 +14,7 @@ from proto.status import maps_status
 from verifier_service.engine.sampling import SamplingParams
 from verifier_service.engine.session import Session
 from verifier_service.engine.stopping import StopReason
-from verifier_service.service import StepEvent, VerifierService
+from verifier_service.service import PrefillEvent, StepEvent, VerifierService
 
 T = TypeVar("T")
 
@@ -86,6 +86,11 @@ async def run_ahead(events: AsyncIterator[T], limit: int = RUN_AHEAD_STEPS) -> A
         await asyncio.gather(producer, return_exceptions=True)
 
 
+def _prefill_pb(event: PrefillEvent) -> verifier_pb2.VerifierGenerateStep:
+    return verifier_pb2.VerifierGenerateStep(
+        prefill=common_pb2.PrefillProgress(prefilled_tokens=event.done, total_tokens=event.total))
+
+
 class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
     def __init__(self, service: VerifierService, model_name: str):
         self.service, self.model_name = service, model_name
@@ -111,7 +116,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         events = self.service.generate(request.session_id, list(request.append_token_ids), params,
                                        request.keep_session)
         async for event in run_ahead(events):
-            yield self._step_pb(event)
+            yield _prefill_pb(event) if isinstance(event, PrefillEvent) else self._step_pb(event)
 
     def _step_pb(self, event: StepEvent) -> verifier_pb2.VerifierGenerateStep:
         result = event.result
@@ -150,4 +155,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             kv_capacity_pages=engine.pool.num_pages, free_pages=engine.pool.num_free,
             max_context=engine.max_context, vocab_size=engine.model_config.vocab_size,
             eos_token_ids=list(engine.model_config.eos_token_ids), active_sessions=len(engine.sessions),
-            max_tree_nodes=engine.config.max_tree_nodes, session_lease_s=self.service.leases.lease_s)
+            max_tree_nodes=engine.config.max_tree_nodes, session_lease_s=self.service.leases.lease_s,
+            dtype=str(engine.config.torch_dtype).removeprefix("torch."), device=str(engine.device),
+            cuda_graphs=len(engine.graphs.graphs) if engine.graphs is not None else 0,
+            drafters_connected=len(self.service.drafters.usable_links()) if self.service.drafters else 0)

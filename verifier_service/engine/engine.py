@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import itertools
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,6 +30,10 @@ from verifier_service.errors import CapacityError, InvalidArgument, PrefillStopp
 
 def _never() -> bool:
     return False
+
+
+def _quiet(done: int, total: int) -> None:
+    pass
 
 
 @dataclass(frozen=True)
@@ -80,13 +84,14 @@ class Engine:
                         max_tokens=config.max_batch_tokens, max_pages=-(-self.max_context // config.page_size) + 1)
         return GraphedForward(self._forward, layout, config.max_block_tokens, self.max_context, self.device)
 
-    def warm_up(self, tokens_per_session: int) -> int:
+    def warm_up(self, tokens_per_session: int, progress: Callable[[list], Iterable] = iter) -> int:
         """Capture now every graph that a prefill chunk or a step of sessions with up to `tokens_per_session`
         rows each can need: a capture in mid-request stalls every session for as long as it takes.
-        Returns the graphs held."""
+        `progress` wraps the list of buckets (ddtree.progress.track). Returns the graphs held."""
         if self.graphs is None:
             return 0
-        for sizes in self.graphs.buckets.reachable(tokens_per_session, self.config.prefill_chunk).values():
+        buckets = self.graphs.buckets.reachable(tokens_per_session, self.config.prefill_chunk)
+        for sizes in progress(list(buckets.values())):
             # NOTE: blocks with no prefix touch only the tree scratch, never the pages
             self.forward([BlockSpec.chain(0, [0] * size, []) for size in sizes])
         return len(self.graphs.graphs)
@@ -125,11 +130,13 @@ class Engine:
         return session, features
 
     def extend_session(self, session_id: str, tokens: list[int], feature_tail: int = 0,
-                       should_stop: Callable[[], bool] = _never) -> torch.Tensor | None:
-        """Append a new turn; on error (PrefillStopped included) the session is unchanged."""
+                       should_stop: Callable[[], bool] = _never,
+                       on_progress: Callable[[int, int], None] = _quiet) -> torch.Tensor | None:
+        """Append a new turn; on error (PrefillStopped included) the session is unchanged. `on_progress(done,
+        total)` is told the tokens prefilled between chunks."""
         if not tokens:
             raise InvalidArgument("tokens must contain at least one token")
-        return self._extend(self.session(session_id), tokens, feature_tail, should_stop)
+        return self._extend(self.session(session_id), tokens, feature_tail, should_stop, on_progress)
 
     def fork_session(self, session_id: str, new_id: str | None = None) -> Session:
         """A new session sharing every page of the source copy-on-write."""
@@ -164,7 +171,8 @@ class Engine:
     # ---- prefill --------------------------------------------------------------------------------
 
     def _extend(self, session: Session, new_tokens: list[int], feature_tail: int,
-                should_stop: Callable[[], bool]) -> torch.Tensor | None:
+                should_stop: Callable[[], bool],
+                on_progress: Callable[[int, int], None] = _quiet) -> torch.Tensor | None:
         vocab = self.model_config.vocab_size
         bad = next((t for t in new_tokens if not 0 <= t < vocab), None)
         if bad is not None:
@@ -178,7 +186,7 @@ class Engine:
                                 f"({self.pool.num_free} pages free)")
         session.block_table.prepare_write(start, end, self.kv)
         try:
-            features = self._prefill(session.block_table, tokens, start, end, feature_tail, should_stop)
+            features = self._prefill(session.block_table, tokens, start, end, feature_tail, should_stop, on_progress)
         except BaseException:
             session.block_table.truncate(start)  # NOTE: positions before `start` were never touched
             raise
@@ -186,10 +194,13 @@ class Engine:
         return features
 
     def _prefill(self, block_table: BlockTable, tokens: list[int], start: int, end: int, feature_tail: int,
-                 should_stop: Callable[[], bool]) -> torch.Tensor | None:
-        """Positions [start, end) into the pages, chunk by chunk; checks `should_stop` between chunks."""
+                 should_stop: Callable[[], bool], on_progress: Callable[[int, int], None]) -> torch.Tensor | None:
+        """Positions [start, end) into the pages, chunk by chunk; between chunks it reports the tokens done so far
+        to `on_progress` and checks `should_stop`."""
         features = []
         for chunk_start in range(start, end, self.config.prefill_chunk):
+            if chunk_start > start:
+                on_progress(chunk_start - start, end - start)
             if should_stop():
                 raise PrefillStopped(f"prefill stopped after {chunk_start - start} of {end - start} tokens")
             chunk = tokens[chunk_start:min(end, chunk_start + self.config.prefill_chunk)]
