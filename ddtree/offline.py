@@ -54,7 +54,7 @@ def generate_offline(engine: Engine, drafter: Drafter | None, prompt: list[int],
     cursor = StepCursor(session_id, session.kv_len)
     while True:
         tree = DraftTree.empty()
-        if drafter is not None:
+        if drafter is not None and cursor.step:  # NOTE: the first step emits the first token (as the service's)
             (tree,) = drafter.draft([cursor.draft_step(session.root, tree_budget)])
         (result,) = engine.step([(session_id, tree)])
         generated += result.emitted

@@ -274,7 +274,7 @@ def test_openai_bench_against_a_fake_server(fake_openai, tmp_path, capsys) -> No
 
 def test_openai_chunks_with_cumulative_usage_count_their_tokens(fake_openai) -> None:
     args = Namespace(address=fake_openai, api_key="sk-test", model=None, ignore_eos=False, timeout=30,
-                     temperature=0.0)
+                     temperature=0.0, tls=False, tls_ca=None, tls_cert=None, tls_key=None)
 
     async def one() -> RequestRecord:
         backend = await OpenAIBackend.open(args)

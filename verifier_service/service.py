@@ -278,10 +278,12 @@ class VerifierService:
                 await self._release(session_id)
 
     async def _steps(self, session: Session) -> AsyncIterator[StepEvent]:
+        """Steps until a stop. The first verifies the pending prompt token alone, so the first token goes out as soon
+        as the prefill is done (as the DDTree reference's prefill emits it) and the first draft starts from it."""
         cursor = StepCursor(session.session_id, session.kv_len)
         while True:
             started = time.perf_counter()
-            tree = await self._draft(cursor, session.root)
+            tree = await self._draft(cursor, session.root) if cursor.step else DraftTree.empty()
             drafted = time.perf_counter()
             result = await self._engine_work(functools.partial(self.batcher.submit, session.session_id, tree))
             verified = time.perf_counter()
