@@ -428,11 +428,16 @@ def main() -> None:
     device_name = "CPU" if device == "cpu" else torch.cuda.get_device_name()
     result = {"command": "python " + " ".join(sys.argv), "shape": args.shape, "device": device_name,
               "torch": torch.__version__, "bandwidth": floor["bandwidth"], "rate": floor["rate"], "rows": rows}
-    name = "e2e_step" if args.shape == "qwen3-8b" else f"e2e_step_{args.shape}"
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
-    (args.out_dir / f"{name}.md").write_text(markdown(result))
-    print(markdown(result))
+    write_results(args.out_dir, "e2e_step" if args.shape == "qwen3-8b" else f"e2e_step_{args.shape}", result,
+                  markdown(result))
+
+
+def write_results(out_dir: Path, name: str, result: dict, table: str) -> None:
+    """NAME.json and NAME.md (the table) in out_dir; the table is printed too."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
+    (out_dir / f"{name}.md").write_text(table)
+    print(table)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@
     python benchmarks/throughput.py --target DIR --device cuda [--concurrency 1 4 16] [--context 4096]
     python benchmarks/throughput.py --random-target DIR --device cuda   # writes a Qwen3-0.6B-shaped random model
     python benchmarks/throughput.py --tiny --context 512 --concurrency 1 4   # CPU smoke run
+    python benchmarks/throughput.py --tiny --tree-budgets 7 15 31 63 adaptive   # one speculative run per choice
 """
 
 from __future__ import annotations
@@ -11,9 +12,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import re
 import statistics
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 from ddtree.client import AsyncClient
@@ -30,11 +33,11 @@ def prompts(count: int, context_chars: int) -> list[str]:
     return [f"Session {i}. " + body[: context_chars] for i in range(count)]
 
 
-async def run_sessions(gateway: str, texts: list[str], max_new_tokens: int) -> dict:
+async def run_sessions(gateway: str, texts: list[str], max_new_tokens: int, tree_budget: int = 0) -> dict:
     client = AsyncClient(gateway, timeout=3600)
 
     async def one(text: str):
-        generation = client.generate(text, max_new_tokens=max_new_tokens, ignore_eos=True)
+        generation = client.generate(text, max_new_tokens=max_new_tokens, ignore_eos=True, tree_budget=tree_budget)
         summary = await generation.result()
         decode_s = (summary.e2e_ms - summary.ttft_ms) / 1e3
         return (len(generation.token_ids), summary.mean_acceptance_length, generation.token_ids, summary.ttft_ms,
@@ -53,12 +56,31 @@ def agreeing_prefix(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
+def budget_totals(metrics_url: str) -> tuple[float, float]:
+    """The verifier's sum and count of the tree budgets its steps chose so far."""
+    text = urllib.request.urlopen(metrics_url, timeout=5).read().decode()
+    return tuple(float(re.search(rf"^ddtree_verifier_tree_budget_{part} (\S+)$", text, re.M).group(1))
+                 for part in ("sum", "count"))
+
+
 def measure(target: str, drafter: str, device: str, verifier_args: tuple[str, ...], concurrency: list[int],
-            context_chars: int, max_new_tokens: int) -> dict[int, dict]:
+            context_chars: int, max_new_tokens: int, pins: dict[str, int]) -> dict[tuple[int, str], dict]:
+    """One run per (concurrency, choice) on one stack; a choice pins the requests' tree budget (0: the verifier's
+    policy). Each run also reports the mean budget its steps chose."""
+    metrics_port = free_port()
+    verifier_args = (*verifier_args, "--metrics-port", str(metrics_port))
+    metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
+    runs = {}
     with LocalStack(target, drafter, 1, device, f"127.0.0.1:{free_port()}", verifier_args=verifier_args) as stack:
         asyncio.run(run_sessions(stack.addresses["gateway"], prompts(1, 256), 8))  # warm-up (kernels, caches)
-        return {c: asyncio.run(run_sessions(stack.addresses["gateway"], prompts(c, context_chars), max_new_tokens))
-                for c in concurrency}
+        for c in concurrency:
+            for choice, pin in pins.items():
+                before = budget_totals(metrics_url)
+                run = asyncio.run(run_sessions(stack.addresses["gateway"], prompts(c, context_chars), max_new_tokens,
+                                               pin))
+                after = budget_totals(metrics_url)
+                runs[c, choice] = {**run, "mean_tree_budget": (after[0] - before[0]) / max(1.0, after[1] - before[1])}
+    return runs
 
 
 def main() -> None:
@@ -73,6 +95,10 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=4096, help="prompt length in characters (~tokens)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--tree-budget", type=int, default=15)
+    parser.add_argument("--tree-budgets", nargs="+", metavar="B|adaptive",
+                        help="one speculative run per choice on the same stack: a budget pinned by the requests, or "
+                             "'adaptive' (the verifier's policy); the verifier's maximum is the largest number given "
+                             "(default: the --tree-budget run alone)")
     parser.add_argument("--out-dir", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()
     target = str(ensure_tiny_model()[0]) if args.tiny else args.target
@@ -80,19 +106,25 @@ def main() -> None:
         target = str(make_tiny_target(args.random_target, shape=QWEN3_06B_SHAPE))
     if target is None:
         raise SystemExit("--target DIR or --tiny")
-    verifier_args = ("--tree-budget", str(args.tree_budget), "--max-context", str(args.context + 2048),
+    choices = args.tree_budgets or [str(args.tree_budget)]
+    pins = {choice: 0 if choice == "adaptive" else int(choice) for choice in choices}
+    max_budget = max((pin for pin in pins.values() if pin), default=args.tree_budget)
+    verifier_args = ("--tree-budget", str(max_budget), "--max-context", str(args.context + 2048),
+                     "--budget-policy", "adaptive" if "adaptive" in pins else "fixed",
                      *(("--attention", "triton", "--prefill-chunk", "256", "--kv-budget-mb", "16384")
                        if args.device == "cuda" else ()))
-    runs = {name: measure(target, drafter, args.device, verifier_args, args.concurrency, args.context,
-                          args.max_new_tokens)
-            for name, drafter in (("speculative", args.drafter), ("plain", "none"))}
+    spec_runs = measure(target, args.drafter, args.device, verifier_args, args.concurrency, args.context,
+                        args.max_new_tokens, pins)
+    plain_runs = measure(target, "none", args.device, verifier_args, args.concurrency, args.context,
+                         args.max_new_tokens, {"plain": 0})
     rows = []
-    for c in args.concurrency:
-        spec, plain = runs["speculative"][c], runs["plain"][c]
+    for (c, choice), spec in spec_runs.items():
+        plain = plain_runs[c, "plain"]
         same = [a == b for a, b in zip(spec["outputs"], plain["outputs"])]
         if args.device == "cpu":  # NOTE: fp32: the two paths must agree token for token
-            assert all(same), "speculative output differs from plain decoding"
-        rows.append({"concurrency": c, "speculative_tokens_per_s": spec["tokens_per_s"],
+            assert all(same), f"speculative output (tree budget {choice}) differs from plain decoding"
+        rows.append({"concurrency": c, "tree_budget": choice, "mean_tree_budget": spec["mean_tree_budget"],
+                     "speculative_tokens_per_s": spec["tokens_per_s"],
                      "plain_tokens_per_s": plain["tokens_per_s"],
                      "speedup": spec["tokens_per_s"] / plain["tokens_per_s"],
                      "mean_acceptance_length": spec["mean_acceptance_length"], "identical_outputs": sum(same),
@@ -107,10 +139,12 @@ def main() -> None:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / "throughput.json").write_text(json.dumps(result, indent=2))
     lines = [f"# Throughput through the local stack ({args.device}, {Path(target).name})", "", f"`{command}`", "",
-             "| sessions | speculative tok/s | plain tok/s | speedup | decode tok/s, speculative / plain "
-             "| mean TTFT ms, speculative / plain | mean acceptance | identical outputs "
-             "| tokens agreeing before the first difference |", "|---|---|---|---|---|---|---|---|---|"]
-    lines += [f"| {r['concurrency']} | {r['speculative_tokens_per_s']:.1f} | {r['plain_tokens_per_s']:.1f} | "
+             "| sessions | tree budget | mean budget chosen | speculative tok/s | plain tok/s | speedup "
+             "| decode tok/s, speculative / plain | mean TTFT ms, speculative / plain | mean acceptance "
+             "| identical outputs | tokens agreeing before the first difference |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['concurrency']} | {r['tree_budget']} | {r['mean_tree_budget']:.1f} "
+              f"| {r['speculative_tokens_per_s']:.1f} | {r['plain_tokens_per_s']:.1f} | "
               f"{r['speedup']:.2f}x | {r['speculative_decode_tokens_per_s']:.0f} / "
               f"{r['plain_decode_tokens_per_s']:.0f} "
               f"| {r['speculative_mean_ttft_ms']:.0f} / {r['plain_mean_ttft_ms']:.0f} "
@@ -118,7 +152,9 @@ def main() -> None:
               f"| {r['mean_agreeing_prefix']:.1f} of {args.max_new_tokens} |" for r in rows]
     note = ("tok/s counts every generated token over the wall time of the whole run, prefill included; decode "
             "tok/s sums each session's rate after its first token; TTFT is request to first token (the prefill, "
-            "queued behind the other sessions' prefills). "
+            "queued behind the other sessions' prefills). A tree budget is pinned by every request of its run "
+            "('adaptive': the verifier's policy, whose shared cost model has also measured the runs before it); the "
+            "mean budget chosen is over the steps after each generation's first. "
             "On the CPU (fp32) the outputs are asserted equal. In bf16 the verify step (prefix partials merged with "
             "the tree block) and a plain step round differently, so near-tied argmaxes can flip (counted here).")
     (args.out_dir / "throughput.md").write_text("\n".join(lines) + "\n\n" + note + "\n")

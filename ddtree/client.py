@@ -61,18 +61,21 @@ def sampling_params(max_new_tokens: int = 0, temperature: float = 0.0, top_k: in
 
 
 def generate_request(text: str = "", *, token_ids: Sequence[int] = (), session: str | None = None,
-                     keep_session: bool = False, **params) -> gateway_pb2.GenerateRequest:
-    """`params` as in `sampling_params`."""
+                     keep_session: bool = False, tree_budget: int = 0, **params) -> gateway_pb2.GenerateRequest:
+    """`params` as in `sampling_params`; `tree_budget` pins the draft tree per step (0: the server's policy)."""
     return gateway_pb2.GenerateRequest(text=text, token_ids=token_ids, session=session or "",
-                                       params=sampling_params(**params), keep_session=keep_session)
+                                       params=sampling_params(**params), keep_session=keep_session,
+                                       tree_budget=tree_budget)
 
 
 def chat_request(messages: Sequence[Mapping[str, str]], *, session: str | None = None, keep_session: bool = False,
-                 **params) -> gateway_pb2.ChatRequest:
-    """`messages` as {"role": ..., "content": ...}; `params` as in `sampling_params`."""
+                 tree_budget: int = 0, **params) -> gateway_pb2.ChatRequest:
+    """`messages` as {"role": ..., "content": ...}; `params` as in `sampling_params`, `tree_budget` as in
+    `generate_request`."""
     return gateway_pb2.ChatRequest(messages=[gateway_pb2.ChatMessage(role=m["role"], content=m["content"])
                                              for m in messages],
-                                   session=session or "", params=sampling_params(**params), keep_session=keep_session)
+                                   session=session or "", params=sampling_params(**params), keep_session=keep_session,
+                                   tree_budget=tree_budget)
 
 
 Event = gateway_pb2.GenerateChunk | common_pb2.PrefillProgress

@@ -37,6 +37,8 @@ def add_client_commands(subparsers: argparse._SubParsersAction) -> None:
     gen.add_argument("--session", help="continue this session handle with the text")
     gen.add_argument("--keep-session", action="store_true", help="keep a new session; print its handle")
     gen.add_argument("--json", action="store_true", help="print one JSON object at the end instead of streaming")
+    gen.add_argument("--tree-budget", type=int, default=0,
+                     help="draft tree nodes per step for this call; 0 = the verifier's policy")
     sampling_args(gen)
     connection_args(gen)
     gen.set_defaults(run=guarded(_generate))
@@ -119,7 +121,7 @@ def stream(generation: Generation, echo: bool = True) -> None:
 
 def _generate(args: argparse.Namespace, client: Client) -> None:
     generation = client.generate(args.text, session=args.session, keep_session=args.keep_session,
-                                 **sampling_options(args))
+                                 tree_budget=args.tree_budget, **sampling_options(args))
     try:
         stream(generation, echo=not args.json)
     except KeyboardInterrupt:

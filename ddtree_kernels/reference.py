@@ -68,6 +68,21 @@ def verify_attention_reference(q: torch.Tensor, k_pages: torch.Tensor, v_pages: 
     return out
 
 
+def prefill_attention_reference(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
+                                block_table: torch.Tensor, prefix_len: int, k: torch.Tensor, v: torch.Tensor,
+                                sm_scale: float) -> torch.Tensor:
+    """A prefill chunk: row i sees the whole prefix and chunk rows 0..i (fp32 math). The arguments and shapes are
+    `prefill_attention.prefill_attention`'s."""
+    chunk, group = q.shape[0], q.shape[1] // k.shape[1]
+    keys = torch.cat([gather_prefix(k_pages, block_table, prefix_len), k]).float().repeat_interleave(group, dim=1)
+    values = torch.cat([gather_prefix(v_pages, block_table, prefix_len), v]).float().repeat_interleave(group, dim=1)
+    positions = torch.arange(prefix_len + chunk, device=q.device)
+    visible = positions <= positions[prefix_len:, None]  # [C, S + C]
+    scores = torch.einsum("thd,shd->hts", q.float(), keys) * sm_scale
+    scores = scores.masked_fill(~visible, float("-inf"))
+    return torch.einsum("hts,shd->thd", scores.softmax(-1), values).to(q.dtype)
+
+
 def _latent_partial(q: torch.Tensor, entries: torch.Tensor, visible: torch.Tensor | None, sm_scale: float,
                     value_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of q [T, H, C] over entries [S, C] (fp32) -> output [T, H, value_dim] and its LSE [T, H]

@@ -155,12 +155,15 @@ class GatewayService:
     # -- generation
 
     async def generate(self, caller: Caller, prompt: list[int], params: common_pb2.SamplingParams, handle: str,
-                       keep_session: bool, fork: bool = False) -> AsyncIterator[gateway_pb2.GenerateReply]:
+                       keep_session: bool, fork: bool = False,
+                       tree_budget: int = 0) -> AsyncIterator[gateway_pb2.GenerateReply]:
         """A long prefill's progress, chunks, then the summary. Without `handle` the prompt goes to a fresh
         session (held under a handle while it runs, so it counts against the key's limits), which is dropped if
         the call ends before its prompt is in; with one, it is appended; with `fork`, it is appended to a fork of
         it, which is kept with `keep_session` (the parent stays as it was). A failure after the first chunk ends
-        the stream with its status: the chunks sent before it stand (exact)."""
+        the stream with its status: the chunks sent before it stand (exact). `tree_budget` pins the draft tree
+        of every step (0: the verifier's policy; the verifier knows its maximum and checks it)."""
+        validation.check_tree_budget(tree_budget)
         started = self._clock()
         fresh = not handle
         if handle and fork:
@@ -179,7 +182,7 @@ class GatewayService:
                 self._reserve(entry, len(append) + params.max_new_tokens)
                 request = verifier_pb2.VerifierGenerateRequest(session_id=entry.verifier_session_id,
                                                                append_token_ids=append, params=params,
-                                                               keep_session=keep)
+                                                               keep_session=keep, tree_budget=tree_budget)
                 left = None if caller.timeout is None else max(0.0, caller.timeout - (self._clock() - started))
                 call = self.pool.stub(entry.verifier).Generate(request, timeout=left)
                 try:

@@ -42,7 +42,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         caller = self._caller(context)
         prompt = await self.service.prompt(request.text, request.token_ids, required=not request.session)
         params = self.service.params(request.params)
-        async for reply in self.service.generate(caller, prompt, params, request.session, request.keep_session):
+        async for reply in self.service.generate(caller, prompt, params, request.session, request.keep_session,
+                                                 tree_budget=request.tree_budget):
             yield reply
 
     @_maps_errors
@@ -52,7 +53,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         messages = [{"role": m.role, "content": m.content} for m in request.messages]
         prompt = await self.service.chat_prompt(caller, messages, request.session)
         params = self.service.params(request.params)
-        async for reply in self.service.generate(caller, prompt, params, request.session, request.keep_session):
+        async for reply in self.service.generate(caller, prompt, params, request.session, request.keep_session,
+                                                 tree_budget=request.tree_budget):
             yield reply
 
     @_maps_errors

@@ -66,6 +66,12 @@ def checked_params(params: common_pb2.SamplingParams, config: GatewayConfig,
     return checked
 
 
+def check_tree_budget(tree_budget: int) -> None:
+    """Only the sign: the maximum is the verifier's (its --tree-budget), which checks it."""
+    if tree_budget < 0:
+        raise InvalidArgument(f"tree_budget: {tree_budget} is negative (0 = the verifier's policy)")
+
+
 def _check_range(field: str, value: float, low: float, high: float) -> None:
     if not (math.isfinite(value) and low <= value <= high):
         raise InvalidArgument(f"{field}: {value} is outside [{low}, {high}]")

@@ -170,8 +170,9 @@ def test_a_drafter_that_reads_features_gets_its_graphs_captured_before_the_first
 
 
 def test_a_long_appended_turn_reports_its_prefill_between_chunks_then_steps(tiny_target) -> None:
-    """The engine prefills in chunks of 24 tokens: a turn of 100 reports 24, 48, 72 and 96 done before the first
-    step, and the steps are those of the session prefilled in one go; a turn of one chunk reports nothing."""
+    """The engine prefills in chunks of 24 tokens ending at multiples of 24: a turn of 100 reports how far it got
+    after each chunk but the last, before the first step, and the steps are those of the session prefilled in one
+    go; a turn of one chunk reports nothing."""
     engine = make_engine(tiny_target)
     turn = [1 + i % 250 for i in range(100)]
 
@@ -186,9 +187,49 @@ def test_a_long_appended_turn_reports_its_prefill_between_chunks_then_steps(tiny
         return events["long"], events["short"]
 
     long, short = asyncio.run(main())
-    assert long[:4] == [PrefillEvent(done, 100) for done in (24, 48, 72, 96)]
-    assert all(isinstance(event, StepEvent) for event in long[4:]) and all(isinstance(e, StepEvent) for e in short)
-    assert [t for event in long[4:] for t in event.result.emitted] == plain_generate(engine, PROMPT + turn)
+    first_chunk = 24 - (len(PROMPT) - 1) % 24  # 3: the session holds 21 positions
+    reports = [PrefillEvent(done, 100) for done in range(first_chunk, 100, 24)]
+    assert long[:len(reports)] == reports and len(reports) == 5
+    assert all(isinstance(e, StepEvent) for e in long[len(reports):]) and all(isinstance(e, StepEvent) for e in short)
+    assert [t for event in long[len(reports):] for t in event.result.emitted] == plain_generate(engine, PROMPT + turn)
+
+
+def test_other_sessions_step_between_the_chunks_of_a_long_prefill(tiny_target) -> None:
+    """A long prompt goes in one chunk per engine call: a session that is generating meanwhile keeps stepping
+    between its chunks (rather than waiting for the whole prefill), and both outputs stay exact."""
+    engine = make_engine(tiny_target)
+    calls: list[str] = []
+    step, prefill_chunk = engine.step, engine._prefill_chunk
+    engine.step = lambda work: calls.append("step") or step(work)
+    engine._prefill_chunk = lambda *args: calls.append("chunk") or prefill_chunk(*args)
+    long_prompt = [1 + i % 250 for i in range(24 * 12)]
+
+    async def main() -> tuple[list[int], list[int]]:
+        service = VerifierService(engine, None, VerifierMetrics())
+        await service.start()
+        running = await service.create_session(PROMPT)
+        calls.clear()
+
+        async def decode() -> list[int]:
+            return [t async for e in service.generate(running.session_id, [], GREEDY, False)
+                    if isinstance(e, StepEvent) for t in e.result.emitted]
+
+        async def prefill_then_decode() -> list[int]:
+            await asyncio.sleep(0)  # NOTE: the other session is generating first
+            session = await service.create_session(long_prompt)
+            return [t async for e in service.generate(session.session_id, [], GREEDY, False)
+                    if isinstance(e, StepEvent) for t in e.result.emitted]
+
+        outputs = await asyncio.gather(decode(), prefill_then_decode())
+        await service.stop()
+        return outputs
+
+    decoded, after_prefill = asyncio.run(main())
+    chunks = [i for i, call in enumerate(calls) if call == "chunk"]
+    assert len(chunks) == 12
+    steps_within = [i for i, call in enumerate(calls) if call == "step" and chunks[0] < i < chunks[-1]]
+    assert len(steps_within) >= 6  # NOTE: at most one step of the other session between two chunks
+    assert decoded == plain_generate(engine, PROMPT) and after_prefill == plain_generate(engine, long_prompt)
 
 
 def test_a_cancelled_prefill_and_a_lapsed_lease_release_their_sessions(tiny_target) -> None:

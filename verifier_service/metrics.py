@@ -22,6 +22,8 @@ class VerifierMetrics:
         self.accepted = Counter("ddtree_verifier_accepted_tokens", "Draft tokens accepted", registry=r)
         self.acceptance = Histogram("ddtree_verifier_acceptance_length", "Tokens per verify step",
                                     buckets=(1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32), registry=r)
+        self.tree_budget = Histogram("ddtree_verifier_tree_budget", "Tree budget chosen per step after the first "
+                                     "(0: no draft)", buckets=(0, 1, 3, 7, 15, 31, 63, 127, 255), registry=r)
         self.trees = Counter("ddtree_verifier_trees", "Trees received per drafter replica", ["replica"], registry=r)
         self.bad_trees = Counter("ddtree_verifier_bad_trees", "Trees rejected by validation", registry=r)
         self.draft_misses = Counter("ddtree_verifier_draft_misses", "Steps run without a tree (no drafter, timeout, "

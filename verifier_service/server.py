@@ -20,6 +20,7 @@ from verifier_service.metrics import VerifierMetrics
 from verifier_service.service import DEFAULT_LEASE_S, VerifierService
 from verifier_service.servicer import VerifierServicer
 from verifier_service.tensor_parallel import TensorParallelGroup
+from verifier_service.tree_budget import BUDGET_POLICIES
 
 SERVICE_NAME = verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name
 EXIT_CANNOT_SERVE = 3  # the process status after a lost rank (2 is a failed start, as for every service)
@@ -30,7 +31,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--target", required=True, help="HF checkpoint directory of the target model")
     parser.add_argument("--listen", default="127.0.0.1:50053")
     parser.add_argument("--drafters", default="", help="host:port,... or dns:///name:port; empty = no speculation")
-    parser.add_argument("--tree-budget", type=int, default=15)
+    parser.add_argument("--tree-budget", type=int, default=15,
+                        help="the largest draft tree of a step (the fixed policy's budget, the adaptive one's maximum)")
+    parser.add_argument("--budget-policy", choices=BUDGET_POLICIES, default="fixed",
+                        help="fixed: every step drafts --tree-budget nodes; adaptive: each step the budget with the "
+                             "most expected tokens per second, learnt per session (docs/design.md section 4)")
     parser.add_argument("--draft-timeout-s", type=float, default=2.0,
                         help="how long a step waits for its tree; a replica that misses it is probed, not waited on")
     parser.add_argument("--session-lease-s", type=float, default=DEFAULT_LEASE_S,
@@ -43,7 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--kv-budget-mb", type=float, default=256)
     parser.add_argument("--max-tree-nodes", type=int, default=255)
     parser.add_argument("--max-context", type=int, default=None)
-    parser.add_argument("--prefill-chunk", type=int, default=256)
+    parser.add_argument("--prefill-chunk", type=int, default=None,
+                        help="tokens per prefill chunk (default: 4096 for dense models on CUDA, else 256)")
     parser.add_argument("--no-cuda-graphs", action="store_true",
                         help="run every forward eagerly (graphs are used on CUDA with --attention triton)")
     parser.add_argument("--metrics-port", type=int, default=0, help="Prometheus port; 0 = off")
@@ -63,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
 def engine_config(args: argparse.Namespace, model: ModelConfig) -> EngineConfig:
     return EngineConfig(page_size=args.page_size, kv_budget_bytes=int(args.kv_budget_mb * (1 << 20)),
                         max_tree_nodes=args.max_tree_nodes, prefill_chunk=args.prefill_chunk,
-                        max_batch_tokens=max(2048, args.prefill_chunk), max_context=args.max_context,
+                        max_context=args.max_context,
                         dtype=args.dtype or model.torch_dtype, device=args.device,
                         attention=resolve_attention(args.attention, args.device),
                         cuda_graphs=not args.no_cuda_graphs)
@@ -103,7 +109,7 @@ async def serve(args: argparse.Namespace) -> None:
         drafters = DrafterPool(args.drafters, metrics, args.draft_timeout_s, channel_options=channel_options(),
                                auth=auth)
     service = VerifierService(engine, drafters, metrics, tree_budget=args.tree_budget, inline_steps=group is None,
-                              lease_s=args.session_lease_s)
+                              lease_s=args.session_lease_s, budget_policy=args.budget_policy)
 
     server = ServiceServer(SERVICE_NAME, verifier_pb2_grpc.add_VerifierServicer_to_server,
                            VerifierServicer(service, Path(args.target).name), args.listen, server_options(), auth)

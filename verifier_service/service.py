@@ -8,7 +8,6 @@ import contextlib
 import functools
 import logging
 import secrets
-import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -20,11 +19,13 @@ from modeling.tree import DraftTree, TreeError
 from verifier_service.batcher import StepBatcher
 from verifier_service.drafter_pool import DrafterPool
 from verifier_service.engine.engine import Engine, StepResult
+from verifier_service.engine.prefill import Prefill
 from verifier_service.engine.sampling import SamplingParams
 from verifier_service.engine.session import Session
 from verifier_service.errors import EngineDown, SessionBusy
 from verifier_service.leases import SessionLeases
 from verifier_service.metrics import VerifierMetrics
+from verifier_service.tree_budget import BudgetPolicy, BudgetPolicyName, StepCosts, session_policy
 from verifier_service.worker import EngineWorker
 
 log = logging.getLogger(__name__)
@@ -53,28 +54,6 @@ class PrefillEvent:
     total: int
 
 
-class PrefillReports:
-    """A prefill's progress, told on the engine thread, as PrefillEvents on the event loop."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.get_running_loop()
-        self.events: asyncio.Queue[PrefillEvent | None] = asyncio.Queue()
-
-    def report(self, done: int, total: int) -> None:
-        """The engine's `on_progress` (its thread)."""
-        self.loop.call_soon_threadsafe(self.events.put_nowait, PrefillEvent(done, total))
-
-    async def until(self, prefill: asyncio.Future) -> AsyncIterator[PrefillEvent]:
-        """The events told until `prefill` ends; a reader that goes away first cancels it and waits for it."""
-        prefill.add_done_callback(lambda _: self.events.put_nowait(None))
-        try:
-            while (event := await self.events.get()) is not None:
-                yield event
-        finally:
-            prefill.cancel()  # NOTE: a no-op once it ended
-            await asyncio.gather(prefill, return_exceptions=True)
-
-
 def _log_warm_up(warming: asyncio.Future) -> None:
     if warming.cancelled():
         return
@@ -86,13 +65,17 @@ def _log_warm_up(warming: asyncio.Future) -> None:
 
 class VerifierService:
     def __init__(self, engine: Engine, drafters: DrafterPool | None, metrics: VerifierMetrics,
-                 tree_budget: int = 15, inline_steps: bool = True, lease_s: float = DEFAULT_LEASE_S):
-        """inline_steps: see EngineWorker (off for a tensor-parallel group). lease_s: see SessionLeases."""
+                 tree_budget: int = 15, inline_steps: bool = True, lease_s: float = DEFAULT_LEASE_S,
+                 budget_policy: BudgetPolicyName = "fixed"):
+        """tree_budget: the largest budget of a step; budget_policy: verifier_service/tree_budget.py.
+        inline_steps: see EngineWorker (off for a tensor-parallel group). lease_s: see SessionLeases."""
         self.engine, self.drafters, self.metrics, self.tree_budget = engine, drafters, metrics, tree_budget
+        self.budget_policy = budget_policy
+        self.step_costs = StepCosts()  # NOTE: shared: every session's steps measure the same engine
         self.worker = EngineWorker(inline_steps)
         self.generating: set[str] = set()
         self.leases = SessionLeases(lease_s)
-        self.background: set[asyncio.Task] = set()  # releases of sessions whose creating call went away
+        self.background: set[asyncio.Task] = set()  # aborted prefills, releases of sessions whose caller went away
         self.reaper: asyncio.Task | None = None
         metrics.watch(engine, self.generating)
         self.batcher = StepBatcher(engine, self.worker, lambda: len(self.generating))
@@ -147,14 +130,16 @@ class VerifierService:
     async def _call(self, fn: Callable[..., T], *args, **kwargs) -> T:
         return await self._engine_work(functools.partial(self.worker.call, fn, *args, **kwargs))
 
-    async def _prefill(self, fn: Callable[..., T], *args, **kwargs) -> T:
-        """An engine prefill that stops at its next chunk once the awaiting call is cancelled (a client gone
-        during a 128k prompt must not hold the engine for the rest of it)."""
-        stop = threading.Event()
+    async def _prefill(self, prefill: Prefill) -> AsyncIterator[PrefillEvent]:
+        """A prefill one chunk per engine call: the verify steps queued meanwhile run between two chunks, so a
+        128k-token prompt holds the other sessions up for one chunk at a time, not for all of it. Between chunks
+        it tells how far it got. A caller that goes away (or an error) aborts it at the next chunk: a client gone
+        during a long prompt frees the engine and the prompt's pages."""
         try:
-            return await self._call(fn, *args, should_stop=stop.is_set, **kwargs)
-        except asyncio.CancelledError:
-            stop.set()
+            while not await self._call(prefill.advance):
+                yield PrefillEvent(prefill.done, prefill.total)
+        except BaseException:
+            self._in_background(self._call(prefill.abort))  # NOTE: behind a chunk still running on the engine thread
             raise
 
     async def _engine_work(self, start: Callable[[], Awaitable[T]]) -> T:
@@ -182,15 +167,17 @@ class VerifierService:
         return feature_tail(bool(self.engine.feature_layers), window, self.engine.max_context)
 
     async def create_session(self, prompt: list[int]) -> Session:
-        session_id = secrets.token_hex(8)
+        prefill = await self._call(self.engine.begin_session, prompt, secrets.token_hex(8), self._feature_tail())
+        session, features = prefill.session, None
         try:
-            session, features = await self._prefill(self.engine.create_session, prompt, session_id,
-                                                    self._feature_tail())
+            async for _ in self._prefill(prefill):
+                pass
+            features = prefill.features
         except asyncio.CancelledError:
-            # NOTE: the prefill may still finish on the engine thread; the release queues behind it there.
-            self._release_soon(session_id)
+            # NOTE: the last chunk may still finish on the engine thread; the release queues behind it there.
+            self._in_background(self._release(session.session_id))
             raise
-        self.leases.grant(session_id)
+        self.leases.grant(session.session_id)
         if self.drafters is not None:
             self.drafters.attach(session.session_id, lambda: session.tokens[:-1], features)
         return session
@@ -224,8 +211,9 @@ class VerifierService:
             self.drafters.detach(session_id)
         await self._call(self.engine.release_session, session_id)
 
-    def _release_soon(self, session_id: str) -> None:
-        task = asyncio.ensure_future(self._release(session_id))
+    def _in_background(self, work: Awaitable) -> None:
+        """Engine work that must happen though its caller is gone (awaited by `stop`)."""
+        task = asyncio.ensure_future(work)
         self.background.add(task)
         task.add_done_callback(self.background.discard)
 
@@ -247,27 +235,27 @@ class VerifierService:
     # ---- generation ------------------------------------------------------------------------------------
 
     async def generate(self, session_id: str, append: list[int], params: SamplingParams,
-                       keep_session: bool) -> AsyncIterator[PrefillEvent | StepEvent]:
+                       keep_session: bool, tree_budget: int = 0) -> AsyncIterator[PrefillEvent | StepEvent]:
         """The appended tokens' prefill progress (between its chunks, when it takes more than one), then steps
-        until a stop; on cancellation or error the session is kept or released as asked.
+        until a stop; on cancellation or error the session is kept or released as asked. `tree_budget` pins the
+        budget of every step (0: the server's policy).
         NOTE: appended tokens stay in the session even if generation fails afterwards."""
         self._check_idle(session_id)
         session = self.engine.session(session_id)
         self.generating.add(session_id)
         try:
             params.validate()
+            budgets = session_policy(self.budget_policy, self.tree_budget, tree_budget, self.step_costs)
             if append:
-                reports = PrefillReports()
-                prefill = asyncio.ensure_future(self._prefill(self.engine.extend_session, session_id, append,
-                                                              self._feature_tail(), on_progress=reports.report))
-                async with contextlib.aclosing(reports.until(prefill)) as events:
+                prefill = await self._call(self.engine.begin_extend, session_id, append, self._feature_tail())
+                async with contextlib.aclosing(self._prefill(prefill)) as events:
                     async for event in events:
                         yield event
-                features = prefill.result()
+                features = prefill.features
                 if self.drafters is not None:
                     self.drafters.add_features(session_id, features)
             await self._call(self.engine.start_generation, session_id, params)
-            async for event in self._steps(session):
+            async for event in self._steps(session, budgets):
                 yield event
         finally:
             self.generating.discard(session_id)
@@ -277,34 +265,50 @@ class VerifierService:
             if not keep_session and not self.down.is_set():
                 await self._release(session_id)
 
-    async def _steps(self, session: Session) -> AsyncIterator[StepEvent]:
+    async def _steps(self, session: Session, budgets: BudgetPolicy) -> AsyncIterator[StepEvent]:
         """Steps until a stop. The first verifies the pending prompt token alone, so the first token goes out as soon
-        as the prefill is done (as the DDTree reference's prefill emits it) and the first draft starts from it."""
+        as the prefill is done (as the DDTree reference's prefill emits it) and the first draft starts from it.
+        Every later step drafts a tree of the budget `budgets` chooses; each step's times teach `step_costs`."""
         cursor = StepCursor(session.session_id, session.kv_len)
         while True:
             started = time.perf_counter()
-            tree = await self._draft(cursor, session.root) if cursor.step else DraftTree.empty()
+            context, choosing = session.kv_len, cursor.step > 0 and self.drafters is not None
+            budget = budgets.choose(context) if choosing else 0
+            tree = await self._draft(cursor, session.root, budget) if cursor.step else None
+            verifying = tree or DraftTree.empty()
             drafted = time.perf_counter()
-            result = await self._engine_work(functools.partial(self.batcher.submit, session.session_id, tree))
+            result = await self._engine_work(functools.partial(self.batcher.submit, session.session_id, verifying))
             verified = time.perf_counter()
-            self._count(result, len(tree), verified - drafted)
-            yield StepEvent(cursor.step, result, len(tree), drafted - started, verified - drafted)
+            self._count(result, len(verifying), verified - drafted)
+            if choosing:
+                self.metrics.tree_budget.observe(budget)
+            self.step_costs.observe(budget, len(verifying) + 1, context,
+                                    drafted - started if tree is not None else None, verified - drafted)
+            budgets.observe(budget, tree, result.accepted)
+            yield StepEvent(cursor.step, result, len(verifying), drafted - started, verified - drafted)
             if result.finished:
                 return
             cursor.advance(result.committed, result.features, result.commit_start)
 
-    async def _draft(self, cursor: StepCursor, root: int) -> DraftTree:
+    async def _draft(self, cursor: StepCursor, root: int, budget: int) -> DraftTree | None:
+        """The tree to verify; None when none came (no drafter, a miss, a bad tree)."""
         if self.drafters is None:
+            return None
+        if budget == 0:
+            # NOTE: the drafter's mirror misses the tokens of a step that skips it: keep their features for the
+            # seed and re-seed the mirror at the next draft (drafter_pool.py: from the last W committed tokens)
+            self.drafters.add_features(cursor.session_id, cursor.features)
+            self.drafters.close_mirror(cursor.session_id)
             return DraftTree.empty()
-        tree = await self.drafters.draft(cursor.draft_step(root, self.tree_budget))
+        tree = await self.drafters.draft(cursor.draft_step(root, budget))
         if tree is None:
             self.metrics.draft_misses.inc()
-            return DraftTree.empty()
+            return None
         try:
             tree.validate(self.engine.model_config.vocab_size, self.engine.config.max_tree_nodes)
         except TreeError:
             self.metrics.bad_trees.inc()  # NOTE: a bad tree costs one step of speculation, nothing more
-            return DraftTree.empty()
+            return None
         return tree
 
     def _count(self, result: StepResult, drafted: int, verify_s: float) -> None:

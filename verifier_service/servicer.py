@@ -114,7 +114,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
     async def Generate(self, request, context):
         params = params_from_pb(request.params)
         events = self.service.generate(request.session_id, list(request.append_token_ids), params,
-                                       request.keep_session)
+                                       request.keep_session, request.tree_budget)
         async for event in run_ahead(events):
             yield _prefill_pb(event) if isinstance(event, PrefillEvent) else self._step_pb(event)
 

@@ -8,7 +8,7 @@ import torch
 
 from ddtree_kernels import reference
 from verifier_service.engine.kv_cache import KVCache, TreeScratch
-from verifier_service.engine.verify_batch import VerifyBatch
+from verifier_service.engine.verify_batch import PrefillChunk, VerifyBatch
 
 
 class AttentionBackend(Protocol):
@@ -21,6 +21,11 @@ class AttentionBackend(Protocol):
                       sm_scale: float, value_dim: int) -> torch.Tensor:
         """MLA: q: [N, H, C] absorbed queries; pages: one layer's latent pool; tree_entries: [N, C]
         -> [N, H, value_dim]."""
+        ...
+
+    def prefill(self, q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, k: torch.Tensor,
+                v: torch.Tensor, chunk: PrefillChunk, sm_scale: float) -> torch.Tensor:
+        """A long prefill chunk (GQA): q: [C, Hq, D]; k/v: [C, Hkv, D] the chunk's own -> [C, Hq, D]."""
         ...
 
     def commit(self, kv: KVCache, scratch: TreeScratch, src_rows: torch.Tensor, dst_slots: torch.Tensor) -> None:
@@ -38,6 +43,10 @@ class TorchReferenceBackend:
                                                            tree_entries, batch.cu_tree, batch.tree_mask, sm_scale,
                                                            value_dim)
 
+    def prefill(self, q, k_pages, v_pages, k, v, chunk, sm_scale):
+        return reference.prefill_attention_reference(q, k_pages, v_pages, chunk.block_table, chunk.prefix_len, k, v,
+                                                     sm_scale)
+
     def commit(self, kv, scratch, src_rows, dst_slots):
         for pages, rows in ((kv.k, scratch.k), (kv.v, scratch.v)):
             if pages is not None:  # NOTE: an MLA cache has no V pages
@@ -45,16 +54,19 @@ class TorchReferenceBackend:
 
 
 class TritonBackend:
-    """The hybrid verify kernels (split prefix over whole pages + masked tree block, LSE merge; GQA and MLA) and
-    the one-launch KV commit. Launch shapes come from host-side bounds: no device sync per layer."""
+    """The hybrid verify kernels (split prefix over whole pages + masked tree block, LSE merge; GQA and MLA), the
+    long-chunk prefill (fused attention, ddtree_kernels.prefill_attention) and the one-launch KV commit. Launch
+    shapes come from host-side bounds: no device sync per layer."""
 
     def __init__(self) -> None:
         # NOTE: from the submodules: `ddtree_kernels.commit_kv` is both a submodule and a function name.
         from ddtree_kernels.commit_kv import commit_kv
         from ddtree_kernels.latent_verify import latent_verify_attention
+        from ddtree_kernels.prefill_attention import prefill_attention
         from ddtree_kernels.verify_attention import hybrid_verify_attention
 
         self._verify, self._verify_latent, self._commit = hybrid_verify_attention, latent_verify_attention, commit_kv
+        self._prefill = prefill_attention
 
     def verify(self, q, k_pages, v_pages, tree_k, tree_v, batch, sm_scale):
         return self._verify(q, k_pages, v_pages, batch.block_tables, batch.prefix_lens, tree_k, tree_v,
@@ -64,6 +76,9 @@ class TritonBackend:
         return self._verify_latent(q, pages, batch.block_tables, batch.prefix_lens, tree_entries,
                                    batch.cu_tree, batch.tree_mask, sm_scale, value_dim, batch.max_prefix_len,
                                    batch.max_tree_len)
+
+    def prefill(self, q, k_pages, v_pages, k, v, chunk, sm_scale):
+        return self._prefill(q, k_pages, v_pages, chunk.block_table, chunk.prefix_len, k, v, sm_scale)
 
     def commit(self, kv, scratch, src_rows, dst_slots):
         self._commit(kv.k, kv.v, scratch.k, scratch.v, src_rows, dst_slots)
@@ -81,7 +96,7 @@ class PagedVerifyAttention:
     """The per-layer attention the model calls during one engine forward: the block's K/V go to the
     tree scratch (never the pages), then the backend attends over pages + scratch."""
 
-    def __init__(self, backend: AttentionBackend, kv: KVCache, scratch: TreeScratch, batch: VerifyBatch,
+    def __init__(self, backend: AttentionBackend, kv: KVCache, scratch: TreeScratch, batch: VerifyBatch | PrefillChunk,
                  sm_scale: float, value_dim: int = 0):
         """value_dim: MLA's kv_lora_rank (the latent columns that are values); unused for GQA."""
         self.backend, self.kv, self.scratch, self.batch, self.sm_scale = backend, kv, scratch, batch, sm_scale
@@ -98,11 +113,24 @@ class PagedVerifyAttention:
         return self.backend.verify_latent(q, self.kv.k[layer], self.scratch.k[layer, :n, 0], self.batch,
                                           self.sm_scale, self.value_dim)
 
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        n = q.shape[0]
+    def in_scratch(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block's K/V as scratch rows (written there unless they were projected in place)."""
+        n = k.shape[0]
         if k.data_ptr() != self.scratch.k[layer].data_ptr():  # not projected in place (CPU, or unfused projections)
             self.scratch.k[layer, :n] = k
         if v.data_ptr() != self.scratch.v[layer].data_ptr():
             self.scratch.v[layer, :n] = v
-        return self.backend.verify(q, self.kv.k[layer], self.kv.v[layer], self.scratch.k[layer, :n],
-                                   self.scratch.v[layer, :n], self.batch, self.sm_scale)
+        return self.scratch.k[layer, :n], self.scratch.v[layer, :n]
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        tree_k, tree_v = self.in_scratch(layer, k, v)
+        return self.backend.verify(q, self.kv.k[layer], self.kv.v[layer], tree_k, tree_v, self.batch, self.sm_scale)
+
+
+class PagedPrefillAttention(PagedVerifyAttention):
+    """The same for one long prefill chunk (`batch` is a PrefillChunk): causal over the chunk, no tree mask."""
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        chunk_k, chunk_v = self.in_scratch(layer, k, v)
+        return self.backend.prefill(q, self.kv.k[layer], self.kv.v[layer], chunk_k, chunk_v, self.batch,
+                                    self.sm_scale)

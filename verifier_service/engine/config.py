@@ -9,7 +9,8 @@ import torch
 from modeling.config import parse_dtype
 
 PAGE_SIZES = (16, 32, 64, 128, 256)
-TRITON_MAX_BLOCK = 256  # tokens of one verify block (a tree or a prefill chunk) in the Triton kernel
+TRITON_MAX_BLOCK = 256  # tokens of one verify block (a tree, or an MLA prefill chunk) in the Triton kernels
+LONG_PREFILL_CHUNK = 4096  # dense models on CUDA: see benchmarks/results/prefill.md
 
 
 ATTENTION_CHOICES = ("auto", "torch", "triton")
@@ -27,8 +28,8 @@ class EngineConfig:
     page_size: int = 64
     kv_budget_bytes: int = 256 << 20  # K and V pages of all layers together
     max_tree_nodes: int = 255  # draft nodes per tree (the verify block holds one more: the root)
-    prefill_chunk: int = 256
-    max_batch_tokens: int = 2048  # rows of the tree scratch: verify blocks of one batch, or one prefill chunk
+    prefill_chunk: int | None = None  # None: LONG_PREFILL_CHUNK for dense models on CUDA, else TRITON_MAX_BLOCK
+    max_batch_tokens: int = 2048  # rows of one step's verify blocks together (the scratch holds a prefill chunk too)
     max_context: int | None = None  # defaults to the model's max_position_embeddings
     dtype: str = "float32"
     device: str = "cpu"
@@ -40,8 +41,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.page_size not in PAGE_SIZES:
             raise ValueError(f"page_size must be one of {PAGE_SIZES}, got {self.page_size}")
-        if self.prefill_chunk < 1 or self.prefill_chunk > self.max_batch_tokens:
-            raise ValueError("prefill_chunk must be in [1, max_batch_tokens]")
+        if self.prefill_chunk is not None and self.prefill_chunk < 1:
+            raise ValueError("prefill_chunk must be >= 1")
         if self.max_tree_nodes + 1 > self.max_batch_tokens:
             raise ValueError("max_tree_nodes + 1 must fit in max_batch_tokens")
         if self.graph_max_sessions < 1:
@@ -49,9 +50,9 @@ class EngineConfig:
         parse_dtype(self.dtype)
         if self.attention not in ("torch", "triton"):
             raise ValueError(f"attention must be 'torch' or 'triton', got {self.attention!r}")
-        if self.attention == "triton" and self.max_block_tokens > TRITON_MAX_BLOCK:
-            raise ValueError(f"the triton backend verifies blocks of at most {TRITON_MAX_BLOCK} tokens: "
-                             "lower prefill_chunk / max_tree_nodes")
+        if self.attention == "triton" and self.max_tree_tokens > TRITON_MAX_BLOCK:
+            raise ValueError(f"the triton backend verifies trees of at most {TRITON_MAX_BLOCK} tokens: "
+                             "lower max_tree_nodes")
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -61,10 +62,16 @@ class EngineConfig:
     def max_tree_tokens(self) -> int:
         return self.max_tree_nodes + 1
 
-    @property
-    def max_block_tokens(self) -> int:
-        """The most rows of one verify block: a tree with its root, or a prefill chunk."""
-        return max(self.max_tree_tokens, self.prefill_chunk)
+    def chunk_for(self, latent_attention: bool) -> int:
+        """The prefill chunk: long chunks (a causal chain, ddtree_kernels.prefill_attention) for dense models on
+        CUDA; MLA prefill runs through the latent verify kernel, in blocks of at most TRITON_MAX_BLOCK."""
+        if latent_attention and self.attention == "triton" and (self.prefill_chunk or 0) > TRITON_MAX_BLOCK:
+            raise ValueError(f"MLA models prefill in chunks of at most {TRITON_MAX_BLOCK} tokens with the triton "
+                             "backend: lower prefill_chunk")
+        if self.prefill_chunk is not None:
+            return self.prefill_chunk
+        on_cuda = torch.device(self.device).type == "cuda"
+        return LONG_PREFILL_CHUNK if on_cuda and not latent_attention else TRITON_MAX_BLOCK
 
     @property
     def uses_cuda_graphs(self) -> bool:

@@ -4,6 +4,7 @@ verify -> accept -> commit step (plain decoding is the step with an empty tree).
 from __future__ import annotations
 
 import itertools
+import logging
 import secrets
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -16,16 +17,25 @@ from modeling.target import CausalLM
 from modeling.tokenizer import Tokenizer
 from modeling.tree import DraftTree
 from verifier_service.engine.acceptance import accept_path
-from verifier_service.engine.attention import PagedVerifyAttention, make_backend
+from verifier_service.engine.attention import PagedPrefillAttention, PagedVerifyAttention, TritonBackend, make_backend
 from verifier_service.engine.block_table import BlockTable
 from verifier_service.engine.config import EngineConfig
 from verifier_service.engine.kv_cache import KVCache, TreeScratch
 from verifier_service.engine.page_pool import PagePool
+from verifier_service.engine.prefill import Prefill
 from verifier_service.engine.sampling import SamplingParams, choose_tokens
 from verifier_service.engine.session import Generation, Session
 from verifier_service.engine.stopping import StopChecker, StopReason
-from verifier_service.engine.verify_batch import BlockSpec, VerifyBatch, build_verify_batch
-from verifier_service.errors import CapacityError, InvalidArgument, PrefillStopped, SessionNotFound
+from verifier_service.engine.verify_batch import (
+    BlockSpec,
+    PrefillChunk,
+    VerifyBatch,
+    build_prefill_chunk,
+    build_verify_batch,
+)
+from verifier_service.errors import CapacityError, InvalidArgument, SessionNotFound
+
+log = logging.getLogger(__name__)
 
 
 def _never() -> bool:
@@ -67,7 +77,12 @@ class Engine:
         # NOTE: the page count comes from the whole model's page size, so every tensor-parallel rank agrees on
         # it; the tensors hold only the KV heads of this model instance (`shard_config`).
         self.kv = self._kv_cache(num_pages, dtype, device)
-        self.scratch = TreeScratch(model.shard_config, config.max_batch_tokens, dtype, device)
+        latent = self.model_config.mla is not None
+        self.prefill_chunk = config.chunk_for(latent)
+        # NOTE: the rows one block may have in the verify kernels (and graphs); a longer one is a dense model's
+        # prefill chunk, run by the prefill path
+        self.verify_block_tokens = max(config.max_tree_tokens, self.prefill_chunk if latent else 0)
+        self.scratch = TreeScratch(model.shard_config, max(config.max_batch_tokens, self.prefill_chunk), dtype, device)
         self.backend = make_backend(config.attention)
         self.sm_scale = self.model_config.attention_scale
         # NOTE: an MLA layer's attention returns the attention-weighted latents: its first kv_lora_rank columns
@@ -82,19 +97,35 @@ class Engine:
         config = self.config
         layout = Layout(max_seqs=min(config.graph_max_sessions, config.max_batch_tokens),
                         max_tokens=config.max_batch_tokens, max_pages=-(-self.max_context // config.page_size) + 1)
-        return GraphedForward(self._forward, layout, config.max_block_tokens, self.max_context, self.device)
+        return GraphedForward(self._forward, layout, self.verify_block_tokens, self.max_context, self.device)
 
     def warm_up(self, tokens_per_session: int, progress: Callable[[list], Iterable] = iter) -> int:
         """Capture now every graph that a prefill chunk or a step of sessions with up to `tokens_per_session`
         rows each can need: a capture in mid-request stalls every session for as long as it takes.
         `progress` wraps the list of buckets (ddtree.progress.track). Returns the graphs held."""
+        self._build_prefill_plans()
         if self.graphs is None:
             return 0
-        buckets = self.graphs.buckets.reachable(tokens_per_session, self.config.prefill_chunk)
+        buckets = self.graphs.buckets.reachable(tokens_per_session, min(self.prefill_chunk, self.verify_block_tokens))
         for sizes in progress(list(buckets.values())):
             # NOTE: blocks with no prefix touch only the tree scratch, never the pages
             self.forward([BlockSpec.chain(0, [0] * size, []) for size in sizes])
         return len(self.graphs.graphs)
+
+    def _build_prefill_plans(self) -> None:
+        """The fused prefill attention's per-shape plans for every full chunk a prompt up to max_context has."""
+        if self.prefill_chunk <= self.verify_block_tokens or not isinstance(self.backend, TritonBackend):
+            return
+        from ddtree_kernels.prefill_attention import build_plans
+
+        shard = self.model.shard_config
+        try:
+            built = build_plans(shard.num_heads, shard.num_kv_heads, shard.head_dim, self.prefill_chunk,
+                                self.max_context - self.prefill_chunk, self.config.torch_dtype, self.device)
+        except torch.OutOfMemoryError:  # NOTE: the plans are then built on first use, ~40 ms each
+            log.warning("no memory left to build the prefill attention plans ahead")
+            return
+        log.info("built %d fused prefill attention plans", built)
 
     def _kv_cache(self, num_pages: int, dtype: torch.dtype, device: torch.device) -> KVCache:
         return KVCache(self.model.shard_config, num_pages, self.config.page_size, dtype, device)
@@ -119,31 +150,44 @@ class Engine:
         """Prefill `prompt[:-1]` into fresh pages; returns the session and the features of the last
         `feature_tail` prefilled tokens (the drafter's seed). On any error, PrefillStopped included, nothing
         stays allocated."""
-        session_id = session_id or secrets.token_hex(8)
-        if session_id in self.sessions:
-            raise InvalidArgument(f"session_id {session_id!r} already exists")
-        if not prompt:
-            raise InvalidArgument("prompt must contain at least one token")
-        session = Session(session_id, [], BlockTable(self.pool, self.config.page_size))
-        features = self._extend(session, prompt, feature_tail, should_stop)
-        self.sessions[session_id] = session
-        return session, features
+        prefill = self.begin_session(prompt, session_id, feature_tail)
+        return prefill.session, prefill.run(should_stop, _quiet)
 
     def extend_session(self, session_id: str, tokens: list[int], feature_tail: int = 0,
                        should_stop: Callable[[], bool] = _never,
                        on_progress: Callable[[int, int], None] = _quiet) -> torch.Tensor | None:
         """Append a new turn; on error (PrefillStopped included) the session is unchanged. `on_progress(done,
         total)` is told the tokens prefilled between chunks."""
+        return self.begin_extend(session_id, tokens, feature_tail).run(should_stop, on_progress)
+
+    def begin_session(self, prompt: list[int], session_id: str | None = None, feature_tail: int = 0) -> Prefill:
+        """create_session one chunk per `advance()`: the session exists once the last chunk is in."""
+        session_id = session_id or secrets.token_hex(8)
+        self._refuse_taken(session_id)
+        if not prompt:
+            raise InvalidArgument("prompt must contain at least one token")
+        session = Session(session_id, [], BlockTable(self.pool, self.config.page_size))
+        return self._begin_prefill(session, prompt, feature_tail, self._register)
+
+    def begin_extend(self, session_id: str, tokens: list[int], feature_tail: int = 0) -> Prefill:
+        """extend_session one chunk per `advance()`."""
         if not tokens:
             raise InvalidArgument("tokens must contain at least one token")
-        return self._extend(self.session(session_id), tokens, feature_tail, should_stop, on_progress)
+        return self._begin_prefill(self.session(session_id), tokens, feature_tail, None)
+
+    def _refuse_taken(self, session_id: str) -> None:
+        if session_id in self.sessions:
+            raise InvalidArgument(f"session_id {session_id!r} already exists")
+
+    def _register(self, session: Session) -> None:
+        self._refuse_taken(session.session_id)  # NOTE: the id may have been taken while the prompt went in
+        self.sessions[session.session_id] = session
 
     def fork_session(self, session_id: str, new_id: str | None = None) -> Session:
         """A new session sharing every page of the source copy-on-write."""
         source = self.session(session_id)
         new_id = new_id or secrets.token_hex(8)
-        if new_id in self.sessions:
-            raise InvalidArgument(f"session_id {new_id!r} already exists")
+        self._refuse_taken(new_id)
         fork = Session(new_id, list(source.tokens), source.block_table.fork())
         self.sessions[new_id] = fork
         return fork
@@ -170,58 +214,42 @@ class Engine:
 
     # ---- prefill --------------------------------------------------------------------------------
 
-    def _extend(self, session: Session, new_tokens: list[int], feature_tail: int,
-                should_stop: Callable[[], bool],
-                on_progress: Callable[[int, int], None] = _quiet) -> torch.Tensor | None:
+    def _begin_prefill(self, session: Session, new_tokens: list[int], feature_tail: int,
+                       register: Callable[[Session], None] | None) -> Prefill:
+        """Check the tokens and that their pages fit now (the first chunk reserves them)."""
         vocab = self.model_config.vocab_size
         bad = next((t for t in new_tokens if not 0 <= t < vocab), None)
         if bad is not None:
             raise InvalidArgument(f"prompt token {bad} is outside the vocabulary [0, {vocab})")
-        tokens = session.tokens + new_tokens
-        if len(tokens) > self.max_context:
-            raise InvalidArgument(f"prompt of {len(tokens)} tokens exceeds max_context {self.max_context}")
-        start, end = session.kv_len if session.tokens else 0, len(tokens) - 1
-        if not self.pool.can_allocate(session.block_table.pages_needed(start, end)):
-            raise CapacityError(f"KV cache full: a prompt of {len(tokens)} tokens does not fit "
+        prefill = Prefill(session, new_tokens, feature_tail, self.prefill_chunk, self.kv, self._prefill_chunk, register)
+        if len(prefill.tokens) > self.max_context:
+            raise InvalidArgument(f"prompt of {len(prefill.tokens)} tokens exceeds max_context {self.max_context}")
+        if not self.pool.can_allocate(session.block_table.pages_needed(prefill.start, prefill.end)):
+            raise CapacityError(f"KV cache full: a prompt of {len(prefill.tokens)} tokens does not fit "
                                 f"({self.pool.num_free} pages free)")
-        session.block_table.prepare_write(start, end, self.kv)
-        try:
-            features = self._prefill(session.block_table, tokens, start, end, feature_tail, should_stop, on_progress)
-        except BaseException:
-            session.block_table.truncate(start)  # NOTE: positions before `start` were never touched
-            raise
-        session.tokens = tokens
-        return features
+        return prefill
 
-    def _prefill(self, block_table: BlockTable, tokens: list[int], start: int, end: int, feature_tail: int,
-                 should_stop: Callable[[], bool], on_progress: Callable[[int, int], None]) -> torch.Tensor | None:
-        """Positions [start, end) into the pages, chunk by chunk; between chunks it reports the tokens done so far
-        to `on_progress` and checks `should_stop`."""
-        features = []
-        for chunk_start in range(start, end, self.config.prefill_chunk):
-            if chunk_start > start:
-                on_progress(chunk_start - start, end - start)
-            if should_stop():
-                raise PrefillStopped(f"prefill stopped after {chunk_start - start} of {end - start} tokens")
-            chunk = tokens[chunk_start:min(end, chunk_start + self.config.prefill_chunk)]
-            _, chunk_features = self.forward([BlockSpec.chain(chunk_start, chunk, block_table.pages)])
-            self.commit(list(range(len(chunk))), [block_table.slot(chunk_start + i) for i in range(len(chunk))])
-            if chunk_features is not None and feature_tail:
-                features.append(chunk_features[-feature_tail:])
-        if not features:
-            return None
-        return torch.cat(features)[-feature_tail:]
+    def _prefill_chunk(self, block_table: BlockTable, tokens: list[int], start: int, end: int) -> torch.Tensor | None:
+        """Positions [start, end) into the pages; returns their target features."""
+        _, features = self.forward([BlockSpec.chain(start, tokens[start:end], block_table.pages)])
+        self.commit(list(range(end - start)), [block_table.slot(position) for position in range(start, end)])
+        return features
 
     # ---- the operations on the model and the KV tensors (a tensor-parallel rank 0 mirrors each to its peers) --
 
     def forward(self, blocks: list[BlockSpec]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One forward over packed verify blocks: their K/V go to the tree scratch, never the pages."""
+        """One forward over packed verify blocks: their K/V go to the tree scratch, never the pages. A block
+        longer than any tree is a prefill chunk: it runs eagerly through the prefill path."""
+        if len(blocks) == 1 and len(blocks[0].tokens) > self.verify_block_tokens:
+            chunk = build_prefill_chunk(blocks[0], self.device)
+            return self._forward(chunk, PagedPrefillAttention)
         replayed = self.graphs.run(blocks, self.feature_layers) if self.graphs is not None else None
         return replayed or self._forward(build_verify_batch(blocks, self.device))
 
     @torch.inference_mode()
-    def _forward(self, batch: VerifyBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
-        attend = PagedVerifyAttention(self.backend, self.kv, self.scratch, batch, self.sm_scale, self.value_dim)
+    def _forward(self, batch: VerifyBatch | PrefillChunk, attention: type[PagedVerifyAttention] = PagedVerifyAttention
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        attend = attention(self.backend, self.kv, self.scratch, batch, self.sm_scale, self.value_dim)
         return self.model(batch.input_ids, batch.positions, attend, self.feature_layers)
 
     def head(self, hidden: torch.Tensor, greedy: bool) -> torch.Tensor:

@@ -49,6 +49,28 @@ class VerifyBatch:
         return self.input_ids.shape[0]
 
 
+@dataclass(frozen=True)
+class PrefillChunk:
+    """One session's prefill chunk longer than any tree: a causal chain, so it carries no ancestor mask."""
+
+    input_ids: torch.Tensor  # [C]
+    positions: torch.Tensor  # [C]
+    block_table: torch.Tensor  # [pages] int32
+    prefix_len: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[0]
+
+
+def build_prefill_chunk(block: BlockSpec, device: torch.device | str) -> PrefillChunk:
+    positions = torch.arange(block.prefix_len, block.prefix_len + len(block.tokens))
+    return PrefillChunk(input_ids=torch.tensor(block.tokens).to(device, non_blocking=True),
+                        positions=positions.to(device, non_blocking=True),
+                        block_table=torch.tensor(block.pages or [0], dtype=torch.int32).to(device, non_blocking=True),
+                        prefix_len=block.prefix_len)
+
+
 def _signed32(word: int) -> int:
     return word - (1 << 32) if word >= 1 << 31 else word
 

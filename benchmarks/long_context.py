@@ -1,0 +1,441 @@
+"""Long-context serving through the real services (gateway -> verifier <-> drafter, separate processes): per
+context and drafter, TTFT, decode tokens/s (n-gram and DFlash speculation vs plain decoding), the wall time per
+step against the verifier's own step time, and the mean acceptance length.
+
+Each drafter gets a fresh local stack; in it, every context in turn runs `--sessions` concurrent one-shot
+generations (greedy, `--max-new-tokens` each, EOS ignored) of a repetitive document (a passage repeated, one
+distinct opening per session), so that n-gram drafting hits. Writes long_context_<shape>.{json,md} to `--out-dir`.
+
+    python benchmarks/long_context.py --shape qwen3-8b [--contexts 32k 128k 185k] [--drafters ngram dflash none]
+        [--sessions 1] [--max-new-tokens 256] [--tree-budget 15] [--budget-policy fixed|adaptive]
+        [--verifier-arg "--prefill-chunk 128"] [--kv-budget-mb MB] [--checkpoint-dir DIR] [--out-dir DIR]
+    python benchmarks/long_context.py --shape tiny --contexts 512 --drafters ngram none   # CPU smoke run
+
+Shapes: `qwen3-8b` is Qwen3-8B's layers and vocabulary with random bf16 weights and the byte-level tokenizer of
+the tiny model (one token per character of the prompt), on CUDA, with a 5-layer block-16 DFlash drafter of the
+published shape (random weights too: its acceptance says nothing, its cost per step does); each is written to
+`--checkpoint-dir` the first time a run needs it (the target takes a minute or two) and reused. `tiny` is the
+built-in tiny model and its DFlash drafter, on the CPU.
+
+A run too long for one sitting splits by drafter (or context): later parts add their rows with `--merge`, e.g.
+    python benchmarks/long_context.py --shape qwen3-8b --drafters none ngram
+    python benchmarks/long_context.py --shape qwen3-8b --drafters dflash --merge
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from e2e_step import shape_of
+from prometheus_client.parser import text_string_to_metric_families
+from throughput import prompts
+
+from ddtree.bench import RequestRecord, summarize
+from ddtree.client import AsyncClient
+from ddtree.local_stack import TINY_MODEL_DIR, LocalStack, ensure_tiny_model, free_port
+from proto import gateway_pb2
+
+ROOT = Path(__file__).resolve().parents[1]
+DRAFTERS = ("ngram", "dflash", "none")  # "none": plain decoding
+SHAPES = ("qwen3-8b", "tiny")
+DEFAULT_CHECKPOINTS = TINY_MODEL_DIR.parent / "long-context-qwen3-8b"
+# NOTE: the warm-up prompt spans two of the verifier's prefill chunks (4096 tokens on CUDA, 256 on the CPU) where the
+# contexts allow: first-use costs (kernel compiles, CUDA graph capture, the drafter's first draft) stay out of TTFT
+WARM_UP_TOKENS = 4608
+
+
+@dataclass(frozen=True)
+class Checkpoints:
+    target: Path
+    dflash: Path
+    device: str
+
+
+def context_tokens(text: str) -> int:
+    """'32k' -> 32768 (k = 1024 tokens); plain integers as they are."""
+    value = int(text[:-1]) * 1024 if text.lower().endswith("k") else int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"a context must be positive, got {text}")
+    return value
+
+
+def context_label(tokens: int) -> str:
+    return f"{tokens // 1024}k" if tokens % 1024 == 0 else str(tokens)
+
+
+def checkpoints(shape: str, directory: Path, with_dflash: bool) -> Checkpoints:
+    """The target and DFlash checkpoints of a shape: the tiny built-in model, or the random qwen3-8b-shaped pair,
+    each written into `directory` the first time it is needed (the DFlash drafter only `with_dflash`); a
+    `NAME.done` marker says a checkpoint was written whole."""
+    if shape == "tiny":
+        target, dflash = ensure_tiny_model()
+        return Checkpoints(target, dflash, "cpu")
+    target_config, dflash_config, device = shape_of(shape)
+    found = Checkpoints(directory / "target", directory / "dflash", device)
+    if not (directory / "target.done").is_file():
+        from modeling.tiny import make_tiny_target
+
+        print(f"writing a random {shape}-shaped target to {found.target}", flush=True)
+        make_tiny_target(found.target, seed=0, shape=target_config)
+        (directory / "target.done").write_text("")
+    if with_dflash and not (directory / "dflash.done").is_file():
+        print(f"writing a random DFlash drafter of the published {shape} shape to {found.dflash}", flush=True)
+        write_dflash(found.dflash, dflash_config, target_config["vocab_size"], seed=1)
+        (directory / "dflash.done").write_text("")
+    return found
+
+
+def write_dflash(path: Path, config: dict, vocab_size: int, seed: int) -> None:
+    """A random DFlash drafter of `config` as modeling/tiny.py writes the tiny one: config.json and the drafter's
+    own tensors (the embedding and LM head are the target's), saved in the config's dtype."""
+    import torch
+    from safetensors.torch import save_file
+
+    from modeling.config import parse_dtype
+    from modeling.dflash import TARGET_TENSORS, DFlashConfig, DFlashModel
+    from modeling.tiny import _random_tensors
+
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    with torch.device("meta"):
+        model = DFlashModel(DFlashConfig.from_hf(config), vocab_size)
+    shapes = {name: p.shape for name, p in model.named_parameters() if name not in TARGET_TENSORS}
+    dtype = parse_dtype(config["torch_dtype"])
+    tensors = {name: t.to(dtype) for name, t in _random_tensors(shapes, seed, std=0.02).items()}
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+
+
+def kv_budget_mb(target: Path, tokens_per_session: int, sessions: int, page_size: int) -> float:
+    """The KV cache that holds `sessions` sessions of `tokens_per_session` tokens (whole pages), plus one page each
+    for the draft tree's commit, in MB, in the checkpoint's dtype (qwen3-8b: 144 KiB per token, 185k ~ 26 GiB)."""
+    from modeling.config import ModelConfig, parse_dtype
+    from verifier_service.engine.kv_cache import KVCache
+
+    config = ModelConfig.from_dir(target)
+    page_bytes = KVCache.page_bytes(config, page_size, parse_dtype(config.torch_dtype))
+    pages = sessions * (-(-tokens_per_session // page_size) + 1)
+    return pages * page_bytes / (1 << 20)
+
+
+def verifier_words(args: argparse.Namespace) -> list[str]:
+    """What the verifier gets besides this script's own words: `--budget-policy` and every `--verifier-arg`."""
+    words = ["--budget-policy", args.budget_policy] if args.budget_policy else []
+    return words + [word for value in args.verifier_arg for word in shlex.split(value)]
+
+
+def unknown_to_verifier(words: list[str]) -> list[str]:
+    """The words the verifier's command line does not know (its own parser, run here: a bad value of an option
+    it knows exits now, with its message, rather than after the checkpoints are written)."""
+    from verifier_service.server import build_parser
+
+    _, unknown = build_parser().parse_known_args(["--target", ".", *words])
+    return unknown
+
+
+@dataclass
+class Stream:
+    """One session's Generate stream: its timeline and the PrefillProgress messages before its first token."""
+    record: RequestRecord
+    prefill_messages: int = 0
+
+
+async def generate(client: AsyncClient, text: str, max_new_tokens: int) -> Stream:
+    stream = Stream(RequestRecord(sent_at=time.perf_counter()))
+    generation = client.generate(text, max_new_tokens=max_new_tokens, ignore_eos=True)
+    async for event in generation.events():
+        if isinstance(event, gateway_pb2.GenerateChunk):
+            # NOTE: the first chunk is the first token (TTFT); later gaps are one step each
+            stream.record.add_chunk(len(event.token_ids), time.perf_counter())
+        else:
+            stream.prefill_messages += 1
+    stream.record.finish(time.perf_counter())
+    stream.record.input_tokens = generation.summary.prompt_tokens
+    stream.record.acceptance_lengths = generation.acceptance_lengths
+    return stream
+
+
+async def run_sessions(gateway: str, texts: list[str], max_new_tokens: int) -> tuple[list[Stream], float]:
+    client = AsyncClient(gateway, timeout=3600)
+    try:
+        started = time.perf_counter()
+        streams = await asyncio.gather(*(generate(client, text, max_new_tokens) for text in texts))
+        return list(streams), time.perf_counter() - started
+    finally:
+        await client.close()
+
+
+def verifier_counters(metrics_port: int) -> dict[str, float]:
+    """The verifier's unlabelled counters and histogram sums / counts, by sample name."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+    return {sample.name: sample.value for family in text_string_to_metric_families(text)
+            for sample in family.samples if not sample.labels}
+
+
+def mean_or_none(values: list[float]) -> float | None:
+    return statistics.mean(values) if values else None
+
+
+def context_row(drafter: str, context: int, streams: list[Stream], duration_s: float, before: dict[str, float],
+                after: dict[str, float]) -> dict:
+    """One (context, drafter) result. Per session: decode tokens/s is the tokens after the first over the time
+    from the first chunk to the last; ms per step is that time over the steps after the first. The verifier's
+    step time is its `ddtree_verifier_step_seconds` over this run's steps (the engine step as the generation loop
+    waits for it: batch, verify, accept, commit)."""
+    records = [s.record for s in streams]
+    report = summarize(records, duration_s)
+    decode = [(len(r.itl_s), sum(r.itl_s), len(r.acceptance_lengths) - 1) for r in records]
+    delta = {name: after.get(name, 0.0) - before.get(name, 0.0) for name in after}
+    steps = delta.get("ddtree_verifier_step_seconds_count", 0.0)
+    ms_per_step = mean_or_none([1e3 * seconds / gaps for _, seconds, gaps in decode if gaps > 0])
+    verify_ms = 1e3 * delta["ddtree_verifier_step_seconds_sum"] / steps if steps else None
+    per_session = [tokens / seconds for tokens, seconds, _ in decode if seconds > 0]
+    return {
+        "drafter": drafter, "context": context, "sessions": len(streams),
+        "prompt_tokens": report["input_tokens"], "output_tokens": report["output_tokens"],
+        "ttft_ms": report["ttft_ms"]["mean"], "ttft_max_ms": max(1e3 * r.ttft_s for r in records),
+        "prefill_messages": statistics.mean(s.prefill_messages for s in streams),
+        "decode_tokens_per_s": mean_or_none(per_session), "decode_tokens_per_s_all_sessions": sum(per_session),
+        "ms_per_step": ms_per_step, "verifier_step_ms": verify_ms,
+        "outside_verifier_ms_per_step": None if ms_per_step is None or verify_ms is None else ms_per_step - verify_ms,
+        "mean_acceptance_length": report["mean_acceptance_length"], "steps": int(steps),
+        "drafted_nodes_per_step": delta.get("ddtree_verifier_drafted_nodes_total", 0.0) / steps if steps else None,
+        # the tree budget the verifier chose per step after each generation's first (where it reports it)
+        "mean_tree_budget": (delta["ddtree_verifier_tree_budget_sum"] / delta["ddtree_verifier_tree_budget_count"]
+                             if delta.get("ddtree_verifier_tree_budget_count") else None),
+        "draft_misses": int(delta.get("ddtree_verifier_draft_misses_total", 0.0)),
+        "duration_s": duration_s,
+    }
+
+
+@dataclass(frozen=True)
+class StackPlan:
+    """What every stack of a run gets: the checkpoints, the verifier's and drafters' words (the metrics port
+    aside) and the generations to run, by context."""
+    checkpoints: Checkpoints
+    verifier_args: tuple[str, ...]
+    drafter_args: tuple[str, ...]
+    texts: dict[int, list[str]]
+    max_new_tokens: int
+    start_timeout_s: float
+    log_dir: Path | None
+
+    def drafter(self, name: str) -> str:
+        """LocalStack's drafter argument for a drafter name."""
+        return {"ngram": "ngram", "dflash": str(self.checkpoints.dflash), "none": "none"}[name]
+
+
+def measure(drafter: str, plan: StackPlan) -> tuple[list[dict], float]:
+    """Start the stack for one drafter, warm it up, run every context; the rows and the start + warm-up time."""
+    metrics_port = free_port()
+    stack = LocalStack(str(plan.checkpoints.target), plan.drafter(drafter), 1, plan.checkpoints.device,
+                       f"127.0.0.1:{free_port()}", verifier_args=(*plan.verifier_args, "--metrics-port",
+                                                                  str(metrics_port)),
+                       drafter_args=plan.drafter_args, log_dir=plan.log_dir / drafter if plan.log_dir else None)
+    started = time.perf_counter()
+    stack.start(timeout_s=plan.start_timeout_s)
+    try:
+        gateway = stack.addresses["gateway"]
+        asyncio.run(run_sessions(gateway, prompts(1, min(WARM_UP_TOKENS, *plan.texts)), 16))
+        start_s = time.perf_counter() - started
+        rows = []
+        for context, texts in plan.texts.items():
+            before = verifier_counters(metrics_port)
+            streams, duration_s = asyncio.run(run_sessions(gateway, texts, plan.max_new_tokens))
+            rows.append(context_row(drafter, context, streams, duration_s, before, verifier_counters(metrics_port)))
+            print(json.dumps(rows[-1]), flush=True)
+        return rows, start_s
+    finally:
+        stack.stop()
+
+
+def add_speedups(rows: list[dict]) -> None:
+    """Each row's decode tokens/s over plain decoding's at its context (when plain ran)."""
+    plain = {r["context"]: r["decode_tokens_per_s"] for r in rows if r["drafter"] == "none"}
+    for row in rows:
+        base = plain.get(row["context"])
+        row["speedup_vs_plain"] = row["decode_tokens_per_s"] / base if base and row["decode_tokens_per_s"] else None
+
+
+def git_commit() -> str | None:
+    """HEAD's short hash, with '+dirty' when tracked files differ from it; None outside a git checkout."""
+    def git(*words: str) -> str:
+        return subprocess.run(["git", "--no-optional-locks", *words], cwd=ROOT, capture_output=True, text=True,
+                              check=True, timeout=30).stdout.strip()
+    try:
+        head, dirty = git("rev-parse", "--short", "HEAD"), git("status", "--porcelain", "--untracked-files=no")
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head + ("+dirty" if dirty else "")
+
+
+def device_name(device: str) -> str:
+    if device == "cpu":
+        return f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+    import torch
+
+    return torch.cuda.get_device_name()
+
+
+def check_mergeable(earlier: dict, shape: str, settings: dict) -> None:
+    if (earlier["shape"], earlier["settings"]) != (shape, settings):
+        raise ValueError(f"--merge: the earlier results are of other settings ({earlier['shape']}, "
+                         f"{earlier['settings']}); run with the same ones or without --merge")
+
+
+def merge(result: dict, earlier: dict) -> dict:
+    """`result` with the rows of an earlier run of the same settings that it did not measure again (the rows of
+    one drafter and context are the latest run's), and the earlier runs listed before its own."""
+    check_mergeable(earlier, result["shape"], result["settings"])
+    measured = {(r["drafter"], r["context"]) for r in result["rows"]}
+    rows = [r for r in earlier["rows"] if (r["drafter"], r["context"]) not in measured] + result["rows"]
+    return {**result, "runs": earlier["runs"] + result["runs"], "rows": rows}
+
+
+def markdown(result: dict) -> str:
+    def cell(value: float | None, digits: int = 1) -> str:
+        return "-" if value is None else f"{value:.{digits}f}"
+
+    settings = result["settings"]
+    devices = sorted({run["device"] for run in result["runs"]})
+    lines = [f"# Long-context serving through the services, {result['shape']} shape, {', '.join(devices)}", ""]
+    for run in result["runs"]:
+        starts = ", ".join(f"{name} {seconds:.0f} s" for name, seconds in run["stack_start_s"].items())
+        lines += [f"`{run['command']}`", "", f"Commit {run['commit'] or 'unknown'}, {run['date']}; checkpoints "
+                  f"{run['checkpoints_s']:.0f} s, stack start and warm-up: {starts}; the whole run {run['wall_s']:.0f} "
+                  "s.", ""]
+    lines += [f"{settings['sessions']} concurrent session(s) per context, {settings['max_new_tokens']} new tokens "
+              f"each (greedy, EOS ignored), tree budget {settings['tree_budget']}"
+              + (f", budget policy {settings['budget_policy']}" if settings["budget_policy"] else "")
+              + (f"; verifier arguments `{shlex.join(settings['verifier_args'])}`" if settings["verifier_args"]
+                 else "") + ".", "",
+              "| context | drafter | TTFT ms (mean / max) | decode tok/s per session | all sessions | vs plain "
+              "| ms / step | verifier step ms | outside the verifier ms | mean acceptance | mean tree budget "
+              "| draft misses |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        speedup = "-" if r["speedup_vs_plain"] is None else f"{r['speedup_vs_plain']:.2f}x"
+        lines.append(f"| {context_label(r['context'])} | {r['drafter']} | {r['ttft_ms']:.0f} / {r['ttft_max_ms']:.0f} "
+                     f"| {cell(r['decode_tokens_per_s'])} | {cell(r['decode_tokens_per_s_all_sessions'])} | {speedup} "
+                     f"| {cell(r['ms_per_step'], 2)} | {cell(r['verifier_step_ms'], 2)} | "
+                     f"{cell(r['outside_verifier_ms_per_step'], 2)} | {cell(r['mean_acceptance_length'], 2)} | "
+                     f"{cell(r.get('mean_tree_budget'))} | {r['draft_misses']} |")
+    lines += ["", "TTFT: request to the first token at the client (the prefill, streamed as PrefillProgress messages "
+              "before it; concurrent sessions queue behind each other's prefills). Decode tok/s: a session's tokens "
+              "after the first over the time from its first chunk to its last; all sessions: their sum; vs plain: "
+              "per session, against drafter none at the same context. ms / step: that time over the steps after "
+              "the first (one chunk per step). Verifier step: the verifier's own `ddtree_verifier_step_seconds` "
+              "(batch, verify, accept, commit, as the generation loop waits for it) over the run's steps, the first "
+              "(the prompt's last token, undrafted) included; outside the verifier: drafting, gRPC and the gateway. "
+              "Mean acceptance: tokens per step, the first included. Mean tree budget: the draft nodes the verifier "
+              "asked for per step after the first (`ddtree_verifier_tree_budget`; its policy's choice)."
+              + (" Random weights: the DFlash drafter's acceptance means nothing, its cost per step does; the n-gram "
+                 "drafter hits because the prompt and the random model's output repeat themselves."
+                 if result["shape"] != "tiny" else ""), ""]
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "),
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog="\n\n".join(__doc__.split("\n\n")[2:]))
+    parser.add_argument("--shape", choices=SHAPES, default="qwen3-8b",
+                        help="qwen3-8b: random bf16 weights on CUDA; tiny: the built-in model on the CPU")
+    parser.add_argument("--contexts", type=context_tokens, nargs="+", default=[32 << 10, 128 << 10, 185 << 10],
+                        help="prompt lengths in tokens; 32k = 32768 (default: 32k 128k 185k)")
+    parser.add_argument("--drafters", nargs="+", choices=DRAFTERS, default=list(DRAFTERS),
+                        help="a stack each, in this order; none = plain decoding (default: all three)")
+    parser.add_argument("--sessions", type=int, default=1, help="concurrent sessions per context")
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--tree-budget", type=int, default=15, help="the verifier's draft tree nodes per step")
+    parser.add_argument("--budget-policy", choices=("fixed", "adaptive"),
+                        help="passed to the verifier (an error if its command line has no such option)")
+    parser.add_argument("--verifier-arg", action="append", default=[], metavar="WORDS",
+                        help='more verifier options, e.g. --verifier-arg "--prefill-chunk 128" (repeatable)')
+    parser.add_argument("--drafter-arg", action="append", default=[], metavar="WORDS",
+                        help='more drafter options, e.g. --drafter-arg "--context-window 4096" (repeatable)')
+    parser.add_argument("--kv-budget-mb", type=float,
+                        help="the verifier's KV cache (default: --sessions sessions of the longest context and its "
+                             "new tokens; qwen3-8b at 185k: ~27 GB a session)")
+    parser.add_argument("--page-size", type=int, default=64)
+    parser.add_argument("--checkpoint-dir", type=Path, default=DEFAULT_CHECKPOINTS,
+                        help="where the qwen3-8b-shaped checkpoints are written once and reused (~16 GB target, "
+                             "~2 GB drafter)")
+    parser.add_argument("--start-timeout-s", type=float, default=600.0)
+    parser.add_argument("--log-dir", type=Path, help="the services' logs, a folder per drafter (default: temporary)")
+    parser.add_argument("--out-dir", type=Path, default=Path(__file__).parent / "results")
+    parser.add_argument("--merge", action="store_true",
+                        help="keep the rows of the results already in --out-dir that this run does not measure again "
+                             "(same shape and settings): a run split over several calls, e.g. one per drafter")
+    parser.add_argument("--commit", default=None,
+                        help="the commit to record (default: the checkout's, from git; a copy without .git: unknown)")
+    return parser
+
+
+def main() -> None:
+    parser = build_parser()
+    args = parser.parse_args()
+    started = time.perf_counter()
+    if args.sessions < 1 or args.max_new_tokens < 2:
+        parser.error("--sessions must be >= 1 and --max-new-tokens >= 2 (a step after the first token)")
+    extra_verifier = verifier_words(args)
+    if unknown := unknown_to_verifier(extra_verifier):
+        parser.error(f"the verifier (verifier_service/server.py) has no option {' '.join(unknown)}")
+    extra_drafter = [word for value in args.drafter_arg for word in shlex.split(value)]
+    settings = {"sessions": args.sessions, "max_new_tokens": args.max_new_tokens, "tree_budget": args.tree_budget,
+                "budget_policy": args.budget_policy, "page_size": args.page_size, "verifier_args": extra_verifier,
+                "drafter_args": extra_drafter}
+    json_path, md_path = (args.out_dir / f"long_context_{args.shape}.{ext}" for ext in ("json", "md"))
+    earlier = None
+    if args.merge:  # NOTE: checked before the (long) measurements, not after them
+        try:
+            earlier = json.loads(json_path.read_text())
+            check_mergeable(earlier, args.shape, settings)
+        except (OSError, ValueError) as error:
+            parser.error(f"--merge: {json_path}: {error}")
+    found = checkpoints(args.shape, args.checkpoint_dir, "dflash" in args.drafters)
+    checkpoint_s = time.perf_counter() - started
+    # NOTE: a session holds its prompt and new tokens; a step's tree (and a page of slack) is verified past them
+    max_context = max(args.contexts) + args.max_new_tokens + args.tree_budget + args.page_size
+    model_limit = json.loads((found.target / "config.json").read_text())["max_position_embeddings"]
+    if max_context > model_limit:
+        parser.error(f"the longest context, its new tokens and a step's tree ({max_context} tokens) exceed the "
+                     f"{args.shape} model's {model_limit} positions")
+    kv_mb = args.kv_budget_mb or kv_budget_mb(found.target, max_context, args.sessions, args.page_size)
+    plan = StackPlan(found, ("--tree-budget", str(args.tree_budget), "--max-context", str(max_context),
+                             "--kv-budget-mb", f"{kv_mb:.1f}", "--page-size", str(args.page_size), *extra_verifier),
+                     tuple(extra_drafter), {context: [text[:context] for text in prompts(args.sessions, context)]
+                                            for context in args.contexts},
+                     args.max_new_tokens, args.start_timeout_s, args.log_dir)
+    rows, start_s = [], {}
+    for drafter in args.drafters:
+        drafter_rows, start_s[drafter] = measure(drafter, plan)
+        rows += drafter_rows
+    run = {"command": "python " + shlex.join(sys.argv), "commit": args.commit or git_commit(),
+           "date": time.strftime("%Y-%m-%d %H:%M"), "device": device_name(found.device),
+           "drafters": args.drafters, "contexts": args.contexts, "kv_budget_mb": kv_mb, "max_context": max_context,
+           "checkpoints_s": checkpoint_s, "stack_start_s": start_s, "wall_s": time.perf_counter() - started}
+    result = {"shape": args.shape, "target": str(found.target), "dflash": str(found.dflash), "settings": settings,
+              "runs": [run], "rows": rows}
+    if earlier is not None:
+        result = merge(result, earlier)
+    result["rows"].sort(key=lambda r: (r["context"], DRAFTERS.index(r["drafter"])))
+    add_speedups(result["rows"])
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    json_path.write_text(json.dumps(result, indent=1) + "\n")
+    md_path.write_text(markdown(result))
+    print(markdown(result))
+
+
+if __name__ == "__main__":
+    main()

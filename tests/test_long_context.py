@@ -1,0 +1,55 @@
+"""benchmarks/long_context.py runs rarely, on a GPU host and at contexts of 32k-185k tokens: its CPU smoke mode
+(the tiny model, a 512-token context) runs here, through the real services, so that a change that breaks it
+shows in CI."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.test_benchmarks import ROOT, run_benchmark
+
+
+def test_smoke_run_reports_ttft_decode_rate_step_times_and_acceptance(tmp_path: Path) -> None:
+    run_benchmark("long_context.py", "--shape", "tiny", "--contexts", "512", "--drafters", "ngram", "none",
+                  "--max-new-tokens", "24", "--out-dir", str(tmp_path))
+    result = json.loads((tmp_path / "long_context_tiny.json").read_text())
+    (run,) = result["runs"]
+    assert "long_context.py --shape tiny --contexts 512 --drafters ngram none" in run["command"]
+    assert set(run["stack_start_s"]) == {"ngram", "none"}
+    rows = {row["drafter"]: row for row in result["rows"]}
+    assert set(rows) == {"ngram", "none"}
+    for row in rows.values():
+        assert (row["context"], row["sessions"], row["prompt_tokens"], row["output_tokens"]) == (512, 1, 512, 24)
+        assert row["ttft_ms"] > 0 and row["prefill_messages"] >= 1  # 512 tokens: two prefill chunks
+        assert row["decode_tokens_per_s"] > 0 and row["ms_per_step"] > 0 and row["verifier_step_ms"] > 0
+        assert row["mean_acceptance_length"] >= 1 and row["draft_misses"] == 0
+    # the verifier counted the steps the gateway streamed: plain decoding one token each
+    assert rows["none"]["steps"] == 24 and rows["none"]["mean_acceptance_length"] == 1
+    assert rows["ngram"]["steps"] < 24 and rows["ngram"]["mean_acceptance_length"] > 1
+    assert rows["none"]["speedup_vs_plain"] == 1
+    assert rows["ngram"]["speedup_vs_plain"] > 0
+    table = (tmp_path / "long_context_tiny.md").read_text()
+    assert run["command"] in table and "| 512 | ngram |" in table and "| 512 | none |" in table
+
+
+def test_help_and_a_verifier_option_it_does_not_have() -> None:
+    run_benchmark("long_context.py", "--help")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    refused = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "long_context.py"), "--shape", "tiny",
+                              "--verifier-arg", "--no-such-option 1"], cwd=ROOT, env=env, capture_output=True,
+                             text=True, timeout=120)
+    assert refused.returncode == 2 and "--no-such-option" in refused.stderr
+
+
+def test_context_sizes_take_k_suffixes() -> None:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from long_context import context_label, context_tokens
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    assert [context_tokens(text) for text in ("32k", "128K", "185k", "512")] == [32768, 131072, 189440, 512]
+    assert [context_label(tokens) for tokens in (32768, 189440, 512)] == ["32k", "185k", "512"]

@@ -1,0 +1,332 @@
+"""Tree budgets: the best-first prefix rule behind the counterfactual acceptance, the cost model, the adaptive
+policy on simulated sessions, the service's steps that skip the drafter, and pinned budgets over real gRPC."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from ddtree.client import Client, GatewayError
+from ddtree.local_stack import LocalStack, free_port
+from drafter_service.ngram_index import NgramIndex
+from drafter_service.server import load_drafter
+from drafter_service.servicer import DrafterServicer
+from drafter_service.tree_builder import build_ddtree
+from modeling.tiny import make_tiny_drafter
+from modeling.tree import DraftTree
+from proto import common_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
+from tests.engine_helpers import GREEDY, make_engine, plain_generate
+from tests.stack_helpers import greedy_reference, verifier_metric
+from verifier_service import service as service_module
+from verifier_service.drafter_pool import DrafterPool
+from verifier_service.engine.acceptance import accept_path
+from verifier_service.metrics import VerifierMetrics
+from verifier_service.service import VerifierService
+from verifier_service.tree_budget import (
+    AdaptiveBudget,
+    CostModel,
+    FixedBudget,
+    StepCosts,
+    accepted_nodes,
+    accepted_within,
+    bucket,
+    candidate_budgets,
+    session_policy,
+)
+
+
+def prefix(tree: DraftTree, budget: int) -> DraftTree:
+    return DraftTree(tree.tokens[:budget], tree.parents[:budget], tree.depths[:budget])
+
+
+# ---- the best-first prefix rule ---------------------------------------------------------------------------
+
+
+def test_both_drafters_trees_are_best_first_prefixes_of_larger_budgets() -> None:
+    """The tree of budget b is the first b nodes of the tree of budget B >= b, for DDTree and the n-gram trie."""
+    generator = torch.Generator().manual_seed(0)
+    rng = random.Random(0)
+    index = NgramIndex(max_n=2)
+    index.open("s", [rng.choice((1, 2, 3)) for _ in range(400)])
+    for _ in range(5):
+        logp = torch.randn(7, 50, generator=generator).log_softmax(-1)
+        trees = {b: build_ddtree(logp, b) for b in (1, 3, 7, 15, 31, 63)}
+        assert_prefixes(trees)
+    assert_prefixes({b: index.draft("s", b, 8) for b in (1, 3, 7, 15, 31, 63)})
+
+
+def assert_prefixes(trees: dict[int, DraftTree]) -> None:
+    big = trees[max(trees)]
+    assert len(big) == max(trees)
+    for b, tree in trees.items():
+        assert tree == DraftTree(big.tokens[:b], big.parents[:b], big.depths[:b], big.logprobs[:b])
+
+
+def test_a_hand_built_tree_tells_what_each_smaller_budget_would_have_accepted() -> None:
+    # 0:a  1:b  2:a/c  3:a/d  4:a/c/e  5:b/f  6:a/c/e/g
+    tree = DraftTree((10, 11, 12, 13, 14, 15, 16), (-1, -1, 0, 0, 2, 1, 4), (1, 1, 2, 2, 3, 2, 4))
+    path = accepted_nodes(tree, [10, 12, 14, 16])
+    assert path == [0, 2, 4, 6]
+    assert [accepted_within(path, b) for b in (0, 1, 2, 3, 4, 5, 6, 7)] == [0, 1, 1, 2, 2, 3, 3, 4]
+    # duplicate siblings: the walk takes the first, as the engine does
+    twins = DraftTree((5, 5, 6), (-1, -1, 1), (1, 1, 2))
+    assert accepted_nodes(twins, [5]) == [0]
+
+
+def test_the_counterfactual_is_what_the_engine_walk_accepts_on_the_prefix_tree() -> None:
+    """Greedy: the target's token at a node depends on its path only, so the walk over a prefix of the tree sees
+    the same targets at the nodes it keeps."""
+    rng = random.Random(1)
+    for _ in range(200):
+        tokens, parents, depths = [], [], []
+        for i in range(rng.randrange(1, 40)):
+            parent = rng.randrange(-1, i)
+            tokens.append(rng.randrange(4))
+            parents.append(parent)
+            depths.append(1 if parent < 0 else depths[parent] + 1)
+        tree = DraftTree(tuple(tokens), tuple(parents), tuple(depths))
+        truth = [rng.randrange(4) for _ in range(50)]  # the target's token after depth d, whatever the path
+        targets = [truth[0]] + [truth[d] for d in depths]
+        path, _ = accept_path(tree, targets)
+        assert accepted_nodes(tree, [tree.tokens[i] for i in path]) == path
+        for b in range(len(tree) + 1):
+            small_path, _ = accept_path(prefix(tree, b), targets[:b + 1])
+            assert accepted_within(path, b) == len(small_path)
+
+
+# ---- the cost model -----------------------------------------------------------------------------------------
+
+
+def test_buckets_and_candidates() -> None:
+    assert [bucket(n) for n in (0, 1, 2, 3, 4, 5, 16, 17, 8.5)] == [1, 1, 2, 4, 4, 8, 16, 32, 16]
+    assert candidate_budgets(15) == (0, 1, 3, 7, 15)
+    assert candidate_budgets(63) == (0, 1, 3, 7, 15, 31, 63)
+    assert candidate_budgets(8) == (0, 1, 3, 7, 8)
+    assert candidate_budgets(0) == (0,)
+
+
+def test_cost_model_prior_measurements_interpolation_and_nearest_context() -> None:
+    model = CostModel(prior_s=0.01, slope=1 / 64, decay=0.5)
+    assert model.estimate(1, 100) == pytest.approx(0.01 * (1 + 1 / 64))
+    assert model.estimate(64, 100) == pytest.approx(0.02)  # the prior: 64 rows cost twice one
+    assert model.estimate(9, 100) == model.estimate(16, 100)  # one bucket
+    model.observe(16, 1000, 0.004)
+    assert model.estimate(16, 1000) == pytest.approx(0.004)
+    # extrapolated along the prior's shape, at this context and (borrowed) at one with no measurement
+    assert model.estimate(64, 1000) == pytest.approx(0.004 * 2 / (1 + 16 / 64))
+    assert model.estimate(64, 100_000) == model.estimate(64, 1000)
+    model.observe(64, 1000, 0.010)
+    assert model.estimate(32, 1000) == pytest.approx(0.004 + 0.006 * 16 / 48)  # between the measured sizes
+    model.observe(16, 1000, 0.008)
+    decayed = (0.5 * 0.004 + 0.008) / (0.5 + 1)  # the older time weighs half the newer one
+    assert model.estimate(16, 1000) == pytest.approx(decayed)
+    model.observe(16, 100_000, 0.1)
+    assert model.estimate(16, 70_000) == pytest.approx(0.1)  # the nearest measured context answers
+    assert model.estimate(16, 1200) == pytest.approx(decayed)
+
+
+# ---- the adaptive policy on simulated sessions -------------------------------------------------------------
+
+MAX = 63
+
+
+def verify_s(rows: int) -> float:
+    return 0.010 * (1 + rows / 64)
+
+
+def simulate(policy: AdaptiveBudget, costs: StepCosts, accepts, steps: int, found: bool = True) -> list[int]:
+    """Chains of the chosen budget (empty ones when the drafter has `found` nothing); `accepts(step)` nodes of each
+    are accepted. Returns the budgets chosen."""
+    chosen = []
+    for step in range(steps):
+        budget = policy.choose(context=500)
+        tree = DraftTree.chain(list(range(budget if found else 0)))
+        accepted = list(tree.tokens[:accepts(step)])
+        costs.observe(budget, len(tree) + 1, 500, 0.002 if budget else None, verify_s(len(tree) + 1))
+        policy.observe(budget, tree, accepted)
+        chosen.append(budget)
+    return chosen
+
+
+def explorations(chosen: list[int]) -> list[int]:
+    return [i for i, b in enumerate(chosen) if b == MAX]
+
+
+def test_a_session_whose_deep_nodes_are_never_accepted_settles_on_a_small_budget() -> None:
+    """Budget 1 pays best. Its whole tree is accepted each time, so the next step tries 3 (which accepts no more);
+    verifying 63 nodes costs 0.8 of a step more than 1, so exploring it every 8 steps spends a tenth of the time."""
+    costs = StepCosts()
+    chosen = simulate(AdaptiveBudget(MAX, costs), costs, lambda _: 1, 64)
+    assert explorations(chosen) == list(range(0, 64, 8))
+    assert set(chosen) == {1, 3, MAX} and chosen[1:5] == [1, 3, 1, 3]
+
+
+def test_a_session_that_accepts_every_node_settles_on_the_maximum() -> None:
+    costs = StepCosts()
+    assert simulate(AdaptiveBudget(MAX, costs), costs, lambda _: MAX, 40) == [MAX] * 40
+
+
+def test_a_session_that_accepts_a_dozen_nodes_settles_between() -> None:
+    costs = StepCosts()
+    chosen = simulate(AdaptiveBudget(MAX, costs), costs, lambda _: 12, 40)
+    assert set(chosen) == {15, MAX} and len(explorations(chosen)) <= 40 // 4
+
+
+def test_drafts_that_never_pay_are_skipped_until_the_text_turns_predictable() -> None:
+    """Nothing accepted: budget 0 (no draft) wins, with an exploration at the maximum every 12 steps (each costs
+    1.2 steps); once the session accepts everything, the next exploration brings the drafts back."""
+    costs = StepCosts()
+    policy = AdaptiveBudget(MAX, costs)
+    chosen = simulate(policy, costs, lambda _: 0, 40)
+    assert explorations(chosen) == [0, 12, 24, 36] and set(chosen) == {0, MAX}
+    later = simulate(policy, costs, lambda _: MAX, 24)  # steps 40 to 63
+    assert later == [0] * 8 + [MAX] * 16
+
+
+def test_a_drafter_that_finds_nothing_is_asked_again_often() -> None:
+    """Empty trees: an exploration costs only the draft (a fifth of a step), so every other step may ask."""
+    costs = StepCosts()
+    chosen = simulate(AdaptiveBudget(MAX, costs), costs, lambda _: 0, 20, found=False)
+    assert explorations(chosen) == list(range(0, 20, 2)) and set(chosen) == {0, MAX}
+
+
+def test_a_path_that_runs_into_the_tree_edge_tries_the_next_size_up() -> None:
+    policy = AdaptiveBudget(MAX, StepCosts())
+    policy.observe(MAX, DraftTree.chain(list(range(MAX))), [0])  # node 0 only: budget 1 looks best
+    assert policy.choose(500) == 1
+    policy.observe(1, DraftTree.chain([0]), [0])  # the whole tree accepted: a larger one might do better
+    assert policy.choose(500) == 3
+    policy.observe(3, DraftTree.chain([0, 1, 2]), [0])  # it did not
+    assert policy.choose(500) == 1
+
+
+def test_pins_and_their_validation() -> None:
+    costs = StepCosts()
+    assert session_policy("adaptive", 8, 3, costs) == FixedBudget(3)
+    assert session_policy("fixed", 8, 0, costs) == FixedBudget(8)
+    assert isinstance(session_policy("adaptive", 8, 0, costs), AdaptiveBudget)
+    with pytest.raises(ValueError, match="tree_budget: -1 is negative"):
+        session_policy("fixed", 8, -1, costs)
+    with pytest.raises(ValueError, match="tree_budget: 9 is more than the server's maximum 8"):
+        session_policy("fixed", 8, 9, costs)
+
+
+# ---- the service: steps that skip the drafter, then draft again ---------------------------------------------
+
+
+class Scripted:
+    """Budgets in a fixed cycle, budget 0 among them: the drafter's mirror must follow the skipped steps."""
+
+    def __init__(self, cycle: list[int]) -> None:
+        self.cycle, self.steps = cycle, 0
+
+    def choose(self, context: int) -> int:
+        self.steps += 1
+        return self.cycle[self.steps % len(self.cycle)]
+
+    def observe(self, budget: int, tree: DraftTree | None, accepted: list[int]) -> None:
+        pass
+
+
+@pytest.mark.parametrize("kind", ["dflash", "ngram"])
+def test_skipped_drafts_reseed_the_mirror_and_change_no_token(tiny_target, tmp_path, monkeypatch, kind) -> None:
+    engine = make_engine(tiny_target)
+    prompt = list(b"the same words, the same words, the same words, the same")
+    expected = plain_generate(engine, prompt)
+    drafter_dir = str(make_tiny_drafter(tmp_path, tiny_target)) if kind == "dflash" else "ngram"
+    monkeypatch.setattr(service_module, "session_policy", lambda *_: Scripted([8, 0, 0, 3, 8, 0, 7]))
+
+    async def main() -> tuple[list[int], VerifierMetrics]:
+        server = grpc.aio.server()
+        drafter = DrafterServicer(load_drafter(drafter_dir, str(tiny_target)), "r0")
+        drafter_pb2_grpc.add_DrafterServicer_to_server(drafter, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        drafter.start()
+        await server.start()
+        metrics = VerifierMetrics()
+        service = VerifierService(engine, DrafterPool(f"127.0.0.1:{port}", metrics, timeout_s=10), metrics,
+                                  tree_budget=8, budget_policy="adaptive")
+        await service.start()
+        session = await service.create_session(prompt)
+        tokens = [t async for e in service.generate(session.session_id, [], GREEDY, False) for t in e.result.emitted]
+        await service.stop()
+        await server.stop(0)
+        return tokens, metrics
+
+    tokens, metrics = asyncio.run(main())
+    assert tokens == expected
+    assert metrics.draft_misses._value.get() == 0 and metrics.bad_trees._value.get() == 0  # every re-seed held
+    assert metrics.tree_budget._sum.get() > 0 and metrics.reseeds._value.get() == 0
+
+
+# ---- pinned budgets over real gRPC: gateway -> verifier (adaptive) <-> n-gram drafter ------------------------
+
+MAX_NEW = 32
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_target, tmp_path_factory):
+    metrics_port = free_port()
+    stack = LocalStack(str(tiny_target), "ngram", drafters=1, gateway_listen=f"127.0.0.1:{free_port()}",
+                       verifier_args=("--page-size", "16", "--max-context", "4096", "--tree-budget", "8",
+                                      "--budget-policy", "adaptive", "--metrics-port", str(metrics_port)),
+                       log_dir=tmp_path_factory.mktemp("logs"))
+    stack.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
+    with stack:
+        yield stack
+
+
+def test_pinned_budgets_out_of_range_are_invalid_argument_naming_the_field(stack) -> None:
+    client = Client(stack.addresses["gateway"], timeout=60)
+    for budget, fragments in ((-1, ("tree_budget", "negative")), (9, ("tree_budget", "maximum 8"))):
+        with pytest.raises(GatewayError) as caught:
+            client.generate("hello", tree_budget=budget, max_new_tokens=4).result()
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert all(f in caught.value.details() for f in fragments), caught.value.details()
+    with grpc.insecure_channel(stack.addresses["verifier"]) as channel:  # the verifier checks both on its own
+        verifier = verifier_pb2_grpc.VerifierStub(channel)
+        for budget in (-1, 9):
+            session = verifier.CreateSession(verifier_pb2.VerifierCreateSessionRequest(prompt_token_ids=[1, 2, 3]))
+            request = verifier_pb2.VerifierGenerateRequest(session_id=session.session.session_id, tree_budget=budget,
+                                                           params=common_pb2.SamplingParams(max_new_tokens=4))
+            with pytest.raises(grpc.RpcError) as caught:
+                list(verifier.Generate(request, timeout=30))
+            assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "tree_budget" in caught.value.details()
+
+
+def test_greedy_output_is_plain_greedy_output_under_every_budget(stack, tiny_target) -> None:
+    reference = greedy_reference(tiny_target, MAX_NEW)
+    client = Client(stack.addresses["gateway"], timeout=60)
+    steps_before = verifier_metric(stack.metrics_url, "ddtree_verifier_tree_budget_count")
+    for text in ("a b c a b c a b c a b c a b", "speculation must not change a single token"):
+        expected = reference(reference.encode(text))
+        for budget in (0, 1, 3, 8):  # 0: the adaptive policy
+            generation = client.generate(text, tree_budget=budget, max_new_tokens=MAX_NEW)
+            generation.result()
+            assert generation.token_ids == expected, (text, budget)
+    assert verifier_metric(stack.metrics_url, "ddtree_verifier_tree_budget_count") > steps_before
+
+
+def test_the_throughput_benchmark_runs_one_point_per_budget(tmp_path) -> None:
+    """`--tree-budgets`: one row per (sessions, choice) on one stack, outputs equal to plain decoding (asserted on
+    the CPU by the script itself), the mean budget chosen read from the verifier's histogram."""
+    root = Path(__file__).resolve().parents[1]
+    subprocess.run([sys.executable, str(root / "benchmarks" / "throughput.py"), "--tiny", "--context", "256",
+                    "--concurrency", "2", "--max-new-tokens", "24", "--tree-budgets", "3", "adaptive",
+                    "--out-dir", str(tmp_path)], cwd=root, env={**os.environ, "PYTHONPATH": str(root)}, check=True,
+                   capture_output=True, timeout=300)
+    rows = json.loads((tmp_path / "throughput.json").read_text())["rows"]
+    assert [(r["concurrency"], r["tree_budget"]) for r in rows] == [(2, "3"), (2, "adaptive")]
+    assert rows[0]["mean_tree_budget"] == 3 and 0 <= rows[1]["mean_tree_budget"] <= 3
+    assert all(r["identical_outputs"] == 2 and r["speculative_tokens_per_s"] > 0 for r in rows)
+    assert "| 2 | adaptive |" in (tmp_path / "throughput.md").read_text()

@@ -1,0 +1,102 @@
+"""A prompt, or a turn appended to a session, going into the session's pages one chunk at a time.
+
+Between two `advance()` calls the engine is free: the verifier runs the other sessions' verify steps there, so a
+128k-token prompt holds them up for one chunk at a time rather than for the whole prefill.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from verifier_service.engine.kv_cache import KVCache
+from verifier_service.engine.session import Session
+from verifier_service.errors import PrefillStopped
+
+# (block table, tokens, chunk start, chunk end) -> the chunk's target features (None without feature layers)
+ChunkForward = Callable[..., torch.Tensor | None]
+
+
+def chunk_bounds(start: int, end: int, chunk: int) -> list[tuple[int, int]]:
+    """[start, end) in one chunk if it fits, else in chunks that end at multiples of `chunk` (the first may be
+    shorter): the prefix lengths a long prompt's chunks attend over then come from a small set, whose per-shape
+    kernel plans are built once and reused."""
+    if end - start <= chunk:
+        return [(start, end)] if start < end else []
+    edges = [start, *range(start - start % chunk + chunk, end, chunk), end]
+    return list(zip(edges, edges[1:]))
+
+
+class Prefill:
+    def __init__(self, session: Session, new_tokens: list[int], feature_tail: int, chunk: int, kv: KVCache,
+                 forward_chunk: ChunkForward, register: Callable[[Session], None] | None):
+        """Holds nothing until the first `advance()`, which reserves the pages of all new positions (a prefill
+        object dropped before it leaks nothing). `register` adds a new session to the engine once its prompt is
+        in (None: the session exists already)."""
+        self.session, self.feature_tail, self.kv = session, feature_tail, kv
+        self.tokens = session.tokens + new_tokens
+        self.start, self.end = (session.kv_len if session.tokens else 0), len(self.tokens) - 1
+        self.chunks = chunk_bounds(self.start, self.end, chunk)
+        self.forward_chunk, self.register = forward_chunk, register
+        self.next_chunk, self.finished, self.aborted = 0, False, False
+        self.tail: list[torch.Tensor] = []
+
+    @property
+    def done(self) -> int:
+        """Tokens prefilled so far."""
+        return self.chunks[self.next_chunk - 1][1] - self.start if self.next_chunk else 0
+
+    @property
+    def total(self) -> int:
+        return self.end - self.start
+
+    @property
+    def features(self) -> torch.Tensor | None:
+        """The target features of the last `feature_tail` prefilled tokens (the drafter's seed)."""
+        return torch.cat(self.tail)[-self.feature_tail:] if self.tail else None
+
+    def advance(self) -> bool:
+        """Prefill the next chunk; True once the whole prompt is in (the session then holds its tokens). On any
+        error the prefill is aborted: the session is as it was before."""
+        if self.aborted:
+            raise PrefillStopped("the prefill was aborted")
+        try:
+            if self.next_chunk == 0:
+                self.session.block_table.prepare_write(self.start, self.end, self.kv)
+            if self.next_chunk < len(self.chunks):
+                chunk_start, chunk_end = self.chunks[self.next_chunk]
+                features = self.forward_chunk(self.session.block_table, self.tokens, chunk_start, chunk_end)
+                if features is not None and self.feature_tail:
+                    self.tail.append(features[-self.feature_tail:])
+                self.next_chunk += 1
+            if self.next_chunk == len(self.chunks):
+                self._finish()
+        except BaseException:
+            self.abort()
+            raise
+        return self.finished
+
+    def _finish(self) -> None:
+        self.session.tokens = self.tokens
+        if self.register is not None:
+            self.register(self.session)
+        self.finished = True
+
+    def abort(self) -> None:
+        """Give back the pages of the new positions (a no-op once finished or aborted)."""
+        if not self.finished and not self.aborted:
+            self.aborted = True
+            self.session.block_table.truncate(self.start)  # NOTE: positions before `start` were never touched
+
+    def run(self, should_stop: Callable[[], bool], on_progress: Callable[[int, int], None]) -> torch.Tensor | None:
+        """All chunks now; between two it reports the tokens done to `on_progress` and stops (PrefillStopped,
+        aborted) once `should_stop()`."""
+        while not self.finished:
+            if self.next_chunk:
+                on_progress(self.done, self.total)
+            if should_stop():
+                self.abort()
+                raise PrefillStopped(f"prefill stopped after {self.done} of {self.total} tokens")
+            self.advance()
+        return self.features

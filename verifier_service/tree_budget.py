@@ -1,0 +1,219 @@
+"""The tree budget of each step: fixed, pinned by the request, or adaptive (docs/design.md section 4, "The budget
+of a step").
+
+The adaptive policy picks, each step, the candidate budget b in {0, 1, 3, 7, ..., max} with the most expected
+committed tokens per second, E[tokens(b)] / (t_draft(b) + t_verify(b)):
+
+- E[tokens(b)] comes from the session's own steps. Both drafters build best-first trees: the tree of budget b is
+  the first b nodes of the tree of any budget B >= b (DDTree pops nodes from a heap in a total order, the n-gram
+  trie sorts its nodes once and keeps a prefix; tests/test_tree_budget.py checks both). The walk takes the first
+  child that matches, so a step verified with budget B and accepted path p would have accepted, with budget b, the
+  longest prefix of p whose nodes are all below b: one verify tells every smaller budget's outcome (exactly when
+  greedy; when sampling, the same draws per node make it an unbiased estimate).
+- The seconds come from a CostModel shared by the service's sessions, learnt from measured step times.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+from modeling.tree import DraftTree
+from verifier_service.errors import InvalidArgument
+
+BudgetPolicyName = Literal["fixed", "adaptive"]
+BUDGET_POLICIES: tuple[BudgetPolicyName, ...] = ("fixed", "adaptive")
+
+
+def bucket(n: float) -> int:
+    """The power of two at or above n (1 for n <= 1): step times are kept per bucket, not per exact size."""
+    return 1 << (max(1, math.ceil(n)) - 1).bit_length()
+
+
+def candidate_budgets(max_budget: int) -> tuple[int, ...]:
+    """0 (no draft), then 2^k - 1 below the maximum, then the maximum: with the root, 2^k verify rows, one per
+    token bucket."""
+    powers = [(1 << k) - 1 for k in range(1, max_budget.bit_length() + 1) if (1 << k) - 1 < max_budget]
+    return (0, *powers, max_budget) if max_budget > 0 else (0,)
+
+
+def accepted_nodes(tree: DraftTree, accepted: list[int]) -> list[int]:
+    """The node indices of the accepted path, walked from its tokens as the engine walked them (the first
+    matching child wins)."""
+    children: dict[tuple[int, int], int] = {}
+    for node, (token, parent) in enumerate(zip(tree.tokens, tree.parents)):
+        children.setdefault((parent, token), node)
+    path, node = [], -1
+    for token in accepted:
+        node = children[(node, token)]
+        path.append(node)
+    return path
+
+
+def accepted_within(path: list[int], budget: int) -> int:
+    """What a budget-`budget` prefix of the same best-first tree would have accepted: the longest prefix of the
+    path whose nodes are all below `budget`."""
+    return next((i for i, node in enumerate(path) if node >= budget), len(path))
+
+
+@dataclass
+class DecayedMean:
+    """A mean in which each value weighs `decay` times the next one: it follows a drifting quantity and, unlike an
+    exponential average started at its first value, does not let that one stand for several."""
+
+    decay: float
+    total: float = 0.0
+    weight: float = 0.0
+
+    def add(self, value: float) -> None:
+        self.total = self.decay * self.total + value
+        self.weight = self.decay * self.weight + 1
+
+    @property
+    def value(self) -> float:
+        return self.total / self.weight
+
+
+class CostModel:
+    """Seconds of one part of a step (a verify of T rows, a draft of b nodes), learnt online per (size bucket,
+    context bucket) as a decayed mean of measured times.
+
+    A size with no measurement at its context is interpolated between the measured sizes around it, or
+    extrapolated from the nearest one along the prior's shape, seconds = prior_s * (1 + slope * size). With no
+    measurement at all the prior itself answers. A context with no measurement borrows the nearest measured
+    context's row. Why buckets: sizes and contexts vary step by step, powers of two keep a handful of cells, each
+    one measured often; why a decayed mean: the costs move with the load (other sessions share the batch)."""
+
+    def __init__(self, prior_s: float, slope: float, decay: float = 0.9):
+        self.prior_s, self.slope, self.decay = prior_s, slope, decay
+        self.rows: dict[int, dict[int, DecayedMean]] = {}  # context bucket -> size bucket -> seconds
+
+    def prior(self, size: float) -> float:
+        return self.prior_s * (1 + self.slope * bucket(size))
+
+    def observe(self, size: float, context: int, seconds: float) -> None:
+        self.rows.setdefault(bucket(context), {}).setdefault(bucket(size), DecayedMean(self.decay)).add(seconds)
+
+    def estimate(self, size: float, context: int) -> float:
+        if not self.rows:
+            return self.prior(size)
+        near = bucket(context).bit_length()
+        nearest = self.rows[min(self.rows, key=lambda c: (abs(c.bit_length() - near), c))]
+        row = {k: mean.value for k, mean in nearest.items()}
+        key = bucket(size)
+        if key in row:
+            return row[key]
+        lower = max((k for k in row if k < key), default=None)
+        upper = min((k for k in row if k > key), default=None)
+        if lower is not None and upper is not None:
+            return row[lower] + (row[upper] - row[lower]) * (key - lower) / (upper - lower)
+        known = lower if lower is not None else upper
+        return row[known] * self.prior(key) / self.prior(known)
+
+
+@dataclass
+class StepCosts:
+    """The service's cost models. The priors only order the budgets until the first steps are measured: a
+    verify that costs twice as much at 64 rows as at 1 (benchmarks/results/e2e_step.md: 9.7 ms at 16 rows, 17.5 ms
+    at 64, at 128k), a draft that costs about the same at any budget (one drafter forward)."""
+
+    verify: CostModel = field(default_factory=lambda: CostModel(prior_s=0.010, slope=1 / 64))
+    draft: CostModel = field(default_factory=lambda: CostModel(prior_s=0.002, slope=0.0))
+
+    def observe(self, budget: int, rows: int, context: int, draft_s: float | None, verify_s: float) -> None:
+        """One step: `rows` verified (the root included); `draft_s` None when no tree came (a miss is no cost of
+        drafting: a stalled drafter is not waited on again)."""
+        self.verify.observe(rows, context, verify_s)
+        if budget and draft_s is not None:
+            self.draft.observe(budget, context, draft_s)
+
+    def seconds(self, budget: int, nodes: float, context: int) -> float:
+        """A step of this budget whose tree has `nodes` nodes (budget 0: no draft at all)."""
+        return (self.draft.estimate(budget, context) if budget else 0.0) + self.verify.estimate(nodes + 1, context)
+
+
+class BudgetPolicy(Protocol):
+    def choose(self, context: int) -> int:
+        """The budget of the next step of a session whose KV holds `context` tokens."""
+
+    def observe(self, budget: int, tree: DraftTree | None, accepted: list[int]) -> None:
+        """A step ran with `budget`: `tree` verified (None when none came), `accepted` its accepted tokens."""
+
+
+@dataclass(frozen=True)
+class FixedBudget:
+    budget: int
+
+    def choose(self, context: int) -> int:
+        return self.budget
+
+    def observe(self, budget: int, tree: DraftTree | None, accepted: list[int]) -> None:
+        pass
+
+
+class AdaptiveBudget:
+    """One generation's budgets: each step the candidate with the most expected tokens per second.
+
+    Budgets above the last one verified are known only from below, so the first drafted step verifies the maximum,
+    and later steps do again as often as keeps those explorations under `explore_share` of the session's time (at
+    least every `explore_every` steps): often when exploring is cheap (a drafter that finds nothing costs only its
+    round trip), rarely when a large tree costs much more than the chosen one. That also brings a session back
+    from budget 0 (no draft) once its text turns predictable. In between, a path that ran into the tree's edge (it
+    ended at a leaf of a tree the budget had cut) tries the next candidate up: one size larger costs little, and a
+    session whose text turns predictable climbs a size per step instead of waiting for the next exploration."""
+
+    def __init__(self, max_budget: int, costs: StepCosts, explore_share: float = 0.1, explore_every: int = 16,
+                 decay: float = 0.8):
+        self.max_budget, self.costs, self.decay = max_budget, costs, decay
+        self.explore_share, self.explore_every = explore_share, explore_every
+        self.candidates = candidate_budgets(max_budget)
+        self.accepted: dict[int, DecayedMean] = {}  # budget > 0 -> the nodes it would have accepted
+        self.nodes: dict[int, DecayedMean] = {}  # budget > 0 -> its tree's nodes
+        self.since_max = 0  # steps since the last one at the maximum, that one included
+        self.step_up: int | None = None  # the next step's budget after a path that ran into the edge
+
+    def choose(self, context: int) -> int:
+        if self.max_budget not in self.accepted:
+            return self.max_budget
+        best = max((0, *self.accepted), key=lambda b: (self.tokens_per_s(b, context), -b))
+        if self.since_max >= self._exploration_interval(best, context):
+            return self.max_budget
+        return self.step_up if self.step_up is not None else best
+
+    def _seconds(self, budget: int, context: int) -> float:
+        return self.costs.seconds(budget, self.nodes[budget].value if budget else 0, context)
+
+    def tokens_per_s(self, budget: int, context: int) -> float:
+        return (1 + (self.accepted[budget].value if budget else 0)) / self._seconds(budget, context)
+
+    def _exploration_interval(self, best: int, context: int) -> float:
+        """Steps from one exploration to the next that spend `explore_share` of the time on them."""
+        extra = self._seconds(self.max_budget, context) - self._seconds(best, context)
+        return min(self.explore_every, extra / (self.explore_share * self._seconds(best, context)))
+
+    def observe(self, budget: int, tree: DraftTree | None, accepted: list[int]) -> None:
+        self.since_max += 1
+        self.step_up = None
+        if tree is None or budget == 0:
+            return
+        if budget == self.max_budget:
+            self.since_max = 1
+        path = accepted_nodes(tree, accepted)
+        for b in self.candidates[1:]:
+            if b <= budget:
+                self.accepted.setdefault(b, DecayedMean(self.decay)).add(accepted_within(path, b))
+                self.nodes.setdefault(b, DecayedMean(self.decay)).add(min(b, len(tree)))
+        if len(tree) == budget and path and path[-1] not in tree.parents:
+            self.step_up = next((b for b in self.candidates if b > budget), None)
+
+
+def session_policy(policy: BudgetPolicyName, max_budget: int, pinned: int, costs: StepCosts) -> BudgetPolicy:
+    """A generation's policy: the request's `tree_budget` when it pins one (> 0), else the server's."""
+    if pinned < 0:
+        raise InvalidArgument(f"tree_budget: {pinned} is negative (0 = the server's policy)")
+    if pinned > max_budget:
+        raise InvalidArgument(f"tree_budget: {pinned} is more than the server's maximum {max_budget}")
+    if pinned:
+        return FixedBudget(pinned)
+    return AdaptiveBudget(max_budget, costs) if policy == "adaptive" else FixedBudget(max_budget)
