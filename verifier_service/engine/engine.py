@@ -122,8 +122,8 @@ class Engine:
         try:
             built = build_plans(shard.num_heads, shard.num_kv_heads, shard.head_dim, self.prefill_chunk,
                                 self.max_context - self.prefill_chunk, self.config.torch_dtype, self.device)
-        except torch.OutOfMemoryError:  # NOTE: the plans are then built on first use, ~40 ms each
-            log.warning("no memory left to build the prefill attention plans ahead")
+        except RuntimeError as error:  # NOTE: out of memory, say: the plans are then built on first use, ~40 ms each
+            log.warning("the prefill attention plans were not built ahead: %s", error)
             return
         log.info("built %d fused prefill attention plans", built)
 
