@@ -1,14 +1,16 @@
 """Prefill of one long prompt (time to first token, without the network) on one GPU, side by side:
 
 - this engine: `Engine.create_session` of N tokens in chunks of C (C <= 256: every chunk through the Triton
-  verify kernels, as before; longer: the prefill path, ddtree_kernels.prefill_attention), random bf16 weights;
+  verify kernels, as before; longer: the prefill path, ddtree_kernels.prefill_attention; for MLA shapes its
+  expanded form), random bf16 weights;
 - HF transformers' model of the same shape with SDPA attention, prefilled in 8k chunks into its DynamicCache
   (`logits_to_keep=1`, as a server would);
-- the FLOP floor: (2 x the layers' weights x N + causal attention 4 x layers x heads x head_dim x N^2 / 2)
-  / the bf16 matmul rate measured in the same run.
+- the FLOP floor: (2 x the layers' active weights x N + causal attention over N^2 / 2 token pairs) / the bf16
+  matmul rate measured in the same run (`floor_s`).
 
-    python benchmarks/prefill.py [--shape qwen3-8b|tiny] [--lengths 32768 131072] [--chunks 256 2048 4096 8192]
-        [--hf-chunk 8192] [--server-warm-up] [--breakdown-chunk C] [--out-dir DIR]
+    python benchmarks/prefill.py [--shape qwen3-8b|glm-4.7-flash|deepseek-v2-lite|tiny|tiny-mla]
+        [--lengths 32768 131072] [--chunks 256 2048 4096 8192] [--hf-chunk 8192] [--server-warm-up]
+        [--breakdown-chunk C] [--out-dir DIR]
 """
 
 from __future__ import annotations
@@ -40,9 +42,23 @@ from verifier_service.engine.kv_cache import KVCache  # noqa: E402
 from verifier_service.engine.verify_batch import BlockSpec  # noqa: E402
 
 
-def floor_s(config: ModelConfig, layer_weights: int, tokens: int, rate: float) -> float:
-    attention = 4 * config.num_layers * config.num_heads * config.head_dim * tokens * tokens / 2
-    return (2 * layer_weights * tokens + attention) / rate
+def active_layer_weights(model: CausalLM) -> float:
+    """The layer weights one token multiplies: all of a dense model's; of an MoE layer, the router, the shared
+    experts and `experts_per_token` of its routed experts."""
+    moe = model.config.moe
+    total = 0.0
+    for name, param in model.model.layers.named_parameters():
+        routed = ".experts." in name and "shared" not in name
+        total += param.numel() * (moe.experts_per_token / moe.num_experts if routed else 1)
+    return total
+
+
+def floor_s(config: ModelConfig, layer_weights: float, tokens: int, rate: float) -> float:
+    """FLOPs / rate: 2 x the active weights per token, and causal attention over N^2 / 2 token pairs (MLA: the
+    expanded form's qk + v widths per head, the cheaper of its two forms for a prefill)."""
+    mla = config.mla
+    per_pair = 2 * config.num_heads * (mla.qk_head_dim + mla.v_head_dim if mla else 2 * config.head_dim)
+    return (2 * layer_weights * tokens + config.num_layers * per_pair * tokens * tokens / 2) / rate
 
 
 def prompt(tokens: int, vocab: int) -> list[int]:
@@ -119,7 +135,8 @@ def markdown(result: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--shape", choices=("qwen3-8b", "tiny"), default="qwen3-8b")
+    parser.add_argument("--shape", choices=("qwen3-8b", "glm-4.7-flash", "deepseek-v2-lite", "tiny", "tiny-mla"),
+                        default="qwen3-8b", help="MLA shapes take the expanded prefill path for chunks over 256")
     parser.add_argument("--lengths", type=int, nargs="+", default=[32768, 131072])
     parser.add_argument("--chunks", type=int, nargs="+", default=[256, 2048, 4096, 8192])
     parser.add_argument("--hf-chunk", type=int, default=8192)
@@ -134,7 +151,7 @@ def main() -> None:
     shape, drafter_shape, device = shape_of(args.shape)
     model, _ = build_ours(shape, drafter_shape, device)
     config, rate = model.config, matmul_rate(device)
-    layer_weights = sum(p.numel() for p in model.model.layers.parameters())
+    layer_weights = active_layer_weights(model)
     rows = []
     for tokens in args.lengths:
         for chunk in args.chunks:

@@ -111,7 +111,7 @@ def main() -> None:
     max_budget = max((pin for pin in pins.values() if pin), default=args.tree_budget)
     verifier_args = ("--tree-budget", str(max_budget), "--max-context", str(args.context + 2048),
                      "--budget-policy", "adaptive" if "adaptive" in pins else "fixed",
-                     *(("--attention", "triton", "--prefill-chunk", "256", "--kv-budget-mb", "16384")
+                     *(("--attention", "triton", "--kv-budget-mb", "16384")
                        if args.device == "cuda" else ()))
     spec_runs = measure(target, args.drafter, args.device, verifier_args, args.concurrency, args.context,
                         args.max_new_tokens, pins)

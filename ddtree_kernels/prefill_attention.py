@@ -32,12 +32,15 @@ def fused_attention_available(device: torch.device) -> bool:
 
 def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                        sm_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """q: [H, L, D], k/v: [H, S, D] (any strides with a contiguous last dim) -> out [H, L, D] in q's dtype and
-    the fp32 log-sum-exp [H, L]. Causal aligns the first query with the first key (L == S here)."""
+    """q, k: [H, L, D] and [H, S, D], v: [H, S, Dv] (any strides with a contiguous last dim) -> out [H, L, Dv] in
+    q's dtype and the fp32 log-sum-exp [H, L]. Causal aligns the first query with the first key (L == S here)."""
     if fused_attention_available(q.device) and q.dtype in (torch.bfloat16, torch.float16):
+        value_dim = v.shape[-1]
+        if value_dim != q.shape[-1]:  # NOTE: MLA's narrower values, zero-padded to the key width
+            v = torch.nn.functional.pad(v, (0, q.shape[-1] - value_dim))
         out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
             q[None], k[None], v[None], None, True, 0.0, causal, False, scale=sm_scale)[:2]
-        return out[0], lse.reshape(q.shape[:2]).float()
+        return out[0, ..., :value_dim], lse.reshape(q.shape[:2]).float()
     scores = torch.einsum("hld,hsd->hls", q.float(), k.float()) * sm_scale
     if causal:
         future = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).triu(1)
@@ -105,4 +108,34 @@ def prefill_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Ten
         prefix_v = gather_prefix(v_pages, block_table, prefix_len).transpose(0, 1)
         prefix_out, prefix_lse = attention_with_lse(folded, prefix_k, prefix_v, False, sm_scale)
         out = merge_by_lse(out, lse, prefix_out.reshape(heads, chunk, dim), prefix_lse.reshape(heads, chunk))
+    return out.transpose(0, 1)
+
+
+def expand_latents(entries: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """MLA cache entries [L, kv_lora_rank + rope] -> per-head keys [H, L, nope + rope] (the RoPE key shared by
+    all heads) and values [H, L, v_head_dim], through kv_b_proj's halves W_UK [H, nope, r] and W_UV [H, v, r]."""
+    latent, rope_key = entries.split([w_uk.shape[-1], entries.shape[-1] - w_uk.shape[-1]], dim=-1)
+    keys = torch.einsum("lr,hdr->hld", latent, w_uk)
+    keys = torch.cat([keys, rope_key[None].expand(keys.shape[0], -1, -1)], dim=-1)
+    return keys, torch.einsum("lr,hvr->hlv", latent, w_uv)
+
+
+def latent_prefill_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, pages: torch.Tensor,
+                             block_table: torch.Tensor, prefix_len: int, entries: torch.Tensor, w_uk: torch.Tensor,
+                             w_uv: torch.Tensor, sm_scale: float, segment: int = 32768) -> torch.Tensor:
+    """An MLA model's long prefill chunk, expanded rather than absorbed: the absorbed form costs
+    2 x (kv_lora_rank + rope + kv_lora_rank) FLOPs per query head and key, the expanded one 2 x (nope + rope + v)
+    (1088 against 320 for DeepSeek / GLM shapes) at the fused attention's rate, plus expanding the prefix through
+    kv_b_proj once per chunk (~10% more at a 4k chunk). The prefix is expanded `segment` tokens at a time (its
+    per-head K/V would not fit at once for 128 heads), each segment's attention merged by log-sum-exp.
+
+    q_nope: [C, H, nope], q_rope: [C, H, rope] rotated; pages: one layer's latent pool [num_pages, P, 1, entry];
+    entries: [C, entry] the chunk's own -> [C, H, v_head_dim]."""
+    query = torch.cat([q_nope, q_rope], dim=-1).transpose(0, 1)  # [H, C, nope + rope]
+    out, lse = attention_with_lse(query, *expand_latents(entries, w_uk, w_uv), True, sm_scale)
+    prefix = gather_prefix(pages, block_table, prefix_len)[:, 0] if prefix_len else entries[:0]
+    for start in range(0, prefix_len, segment):
+        part, part_lse = attention_with_lse(query, *expand_latents(prefix[start:start + segment], w_uk, w_uv), False,
+                                            sm_scale)
+        out, lse = merge_by_lse(out, lse, part, part_lse), torch.logaddexp(lse, part_lse)
     return out.transpose(0, 1)

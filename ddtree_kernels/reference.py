@@ -119,6 +119,20 @@ def latent_verify_attention_reference(q: torch.Tensor, pages: torch.Tensor, bloc
     return out
 
 
+def latent_prefill_attention_reference(q_nope: torch.Tensor, q_rope: torch.Tensor, pages: torch.Tensor,
+                                       block_table: torch.Tensor, prefix_len: int, entries: torch.Tensor,
+                                       w_uk: torch.Tensor, w_uv: torch.Tensor, sm_scale: float) -> torch.Tensor:
+    """An MLA prefill chunk in absorbed form (the verify path's math, causal over the chunk; fp32): the arguments
+    and shapes are `prefill_attention.latent_prefill_attention`'s."""
+    chunk, rank = q_nope.shape[0], w_uk.shape[-1]
+    query = torch.cat([torch.einsum("chd,hdr->chr", q_nope.float(), w_uk.float()), q_rope.float()], dim=-1)
+    keys = torch.cat([gather_prefix(pages, block_table, prefix_len)[:, 0], entries]).float()
+    positions = torch.arange(prefix_len + chunk, device=q_nope.device)
+    visible = positions <= positions[prefix_len:, None]  # [C, S + C]
+    latents, _ = _latent_partial(query, keys, visible, sm_scale, rank)
+    return torch.einsum("chr,hvr->chv", latents, w_uv.float()).to(q_nope.dtype)
+
+
 def commit_rows_reference(pages: torch.Tensor, rows: torch.Tensor, src_rows: torch.Tensor,
                           dst_slots: torch.Tensor) -> None:
     """Copy rows `src_rows` of one scratch tensor `[L, N, ...]` into the page slots `dst_slots` of its pool

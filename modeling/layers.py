@@ -37,6 +37,14 @@ class LayerAttention(Protocol):
         passed: MLA's differs from 1/sqrt(C)."""
         ...
 
+    def latent_expanded(self, layer: int, q_nope: torch.Tensor, q_rope: torch.Tensor, entries: torch.Tensor,
+                        w_uk: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor | None:
+        """MLA over per-head keys and values expanded from the entries through kv_b_proj's halves W_UK [H, nope, r]
+        and W_UV [H, v, r] (cheaper than the absorbed form for a long prefill chunk): q_nope [N, H, nope], q_rope
+        [N, H, rope] rotated -> [N, H, v], the values already through W_UV. None where the caller attends in
+        absorbed form only (`latent`)."""
+        ...
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):

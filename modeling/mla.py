@@ -1,4 +1,5 @@
-"""Multi-head latent attention (DeepSeek-V2/V3, Kimi K2, GLM-4.7-Flash), computed in absorbed form only.
+"""Multi-head latent attention (DeepSeek-V2/V3, Kimi K2, GLM-4.7-Flash), computed in absorbed form (a long prefill
+chunk may take the expanded form instead: `LayerAttention.latent_expanded`).
 
 Per token the cache keeps one entry of latent_dim = kv_lora_rank + qk_rope_head_dim values: the normalised KV
 latent, then the rotated RoPE key shared by all heads. Instead of expanding every cached latent into per-head
@@ -55,10 +56,13 @@ class MLAttention(nn.Module):
         q_nope, q_pe = self.query(x).view(n, self.num_heads, mla.qk_head_dim).split(
             [mla.qk_nope_head_dim, mla.qk_rope_head_dim], dim=-1)
         latent, k_pe = self.kv_a_proj_with_mqa(x).split([mla.kv_lora_rank, mla.qk_rope_head_dim], dim=-1)
-        q = torch.cat([torch.einsum("nhd,hdr->nhr", q_nope, w_uk), self.rotate(q_pe, cos, sin)], dim=-1)
+        q_pe = self.rotate(q_pe, cos, sin)
         entry = torch.cat([self.kv_a_layernorm(latent), self.rotate(k_pe[:, None], cos, sin)[:, 0]], dim=-1)
-        attn = attend.latent(layer, q, entry)  # [N, H, kv_lora_rank]
-        return self.o_proj(torch.einsum("nhr,hvr->nhv", attn, w_uv).reshape(n, -1))
+        values = attend.latent_expanded(layer, q_nope, q_pe, entry, w_uk, w_uv)  # NOTE: a long prefill chunk
+        if values is None:
+            q = torch.cat([torch.einsum("nhd,hdr->nhr", q_nope, w_uk), q_pe], dim=-1)
+            values = torch.einsum("nhr,hvr->nhv", attend.latent(layer, q, entry), w_uv)  # latents [N, H, r] first
+        return self.o_proj(values.reshape(n, -1))
 
     def query(self, x: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, H * qk_head_dim], through the low-rank pair when the model has one."""

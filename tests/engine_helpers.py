@@ -87,6 +87,9 @@ class CausalAttention:
     def kv_buffers(self, layer: int, num_tokens: int) -> None:
         return None
 
+    def latent_expanded(self, *args) -> None:
+        return None
+
 
 def causal_softmax(scores: torch.Tensor) -> torch.Tensor:
     """scores: [H, T, T] of one sequence -> each query's softmax over itself and the tokens before it."""

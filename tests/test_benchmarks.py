@@ -32,14 +32,15 @@ def test_e2e_step_smoke_run_writes_its_table(tmp_path: Path, shape: str) -> None
     assert "| 0k | 7 |" in (tmp_path / f"e2e_step_{shape}.md").read_text()
 
 
-def test_prefill_smoke_run_writes_its_table(tmp_path: Path) -> None:
-    """Both prefill paths (chunks through the verify kernels, and longer ones) and HF on the tiny shape."""
-    run_benchmark("prefill.py", "--shape", "tiny", "--lengths", "300", "--chunks", "64", "200", "--hf-chunk", "128",
+@pytest.mark.parametrize("shape", ["tiny", "tiny-mla"])
+def test_prefill_smoke_run_writes_its_table(tmp_path: Path, shape: str) -> None:
+    """Both prefill paths (chunks through the verify kernels, and longer ones: over 256 tokens for MLA) and HF."""
+    run_benchmark("prefill.py", "--shape", shape, "--lengths", "600", "--chunks", "64", "300", "--hf-chunk", "256",
                   "--server-warm-up", "--out-dir", str(tmp_path))
-    rows = json.loads((tmp_path / "prefill_tiny.json").read_text())["rows"]
-    assert [(row["tokens"], row["chunk"]) for row in rows] == [(300, 64), (300, 200)]
+    rows = json.loads((tmp_path / f"prefill_{shape}.json").read_text())["rows"]
+    assert [(row["tokens"], row["chunk"]) for row in rows] == [(600, 64), (600, 300)]
     assert all(row["seconds"] > 0 and row["floor_s"] > 0 and row["hf_s"] > 0 for row in rows)
-    assert "| 300 | 200 |" in (tmp_path / "prefill_tiny.md").read_text()
+    assert "| 600 | 300 |" in (tmp_path / f"prefill_{shape}.md").read_text()
 
 
 def test_grpc_overhead_smoke_run_matches_the_in_process_output(tmp_path: Path) -> None:

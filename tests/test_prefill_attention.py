@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ddtree_kernels.prefill_attention import build_plans, prefill_attention
-from ddtree_kernels.reference import prefill_attention_reference
+from ddtree_kernels.prefill_attention import build_plans, latent_prefill_attention, prefill_attention
+from ddtree_kernels.reference import latent_prefill_attention_reference, prefill_attention_reference
+from modeling.tiny import make_tiny_target
 from modeling.tree import DraftTree
 from tests.engine_helpers import GREEDY, make_engine, run_to_end
 from tests.test_engine import BACKENDS, prompt_of
@@ -36,6 +37,42 @@ def test_two_part_attention_equals_the_reference(prefix_len: int, heads: int, kv
                                atol=1e-5, rtol=1e-5)
 
 
+def latent_problem(prefix_len: int, chunk: int, heads: int, dtype: torch.dtype, device: str, rank: int = 32,
+                   nope: int = 16, rope: int = 8, values: int = 16, page_size: int = 16):
+    """An MLA layer's prefill: a latent prefix in shuffled pages, the chunk's rotated queries and entries, and
+    kv_b_proj's halves."""
+    gen = torch.Generator(device).manual_seed(prefix_len + chunk)
+
+    def randn(*shape, scale: float = 1.0):
+        return (scale * torch.randn(*shape, generator=gen, device=device)).to(dtype)
+
+    num_pages = prefix_len // page_size + 3
+    block_table = torch.randperm(num_pages, generator=gen, device=device).to(torch.int32)
+    return (randn(chunk, heads, nope), randn(chunk, heads, rope), randn(num_pages, page_size, 1, rank + rope),
+            block_table, prefix_len, randn(chunk, rank + rope), randn(heads, nope, rank, scale=rank ** -0.5),
+            randn(heads, values, rank, scale=rank ** -0.5), (nope + rope) ** -0.5)
+
+
+@pytest.mark.parametrize("prefix_len", [0, 5, 50])
+def test_expanded_latent_prefill_equals_the_absorbed_reference(prefix_len: int) -> None:
+    """Expanded per-head keys and values (the prefix 16 tokens at a time, merged) give what the absorbed form
+    gives."""
+    problem = latent_problem(prefix_len, 19, 4, torch.float32, "cpu")
+    torch.testing.assert_close(latent_prefill_attention(*problem, segment=16),
+                               latent_prefill_attention_reference(*problem), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("prefix_len, chunk, heads", [(0, 1000, 20), (5000, 777, 16), (40000, 2048, 20)])
+def test_expanded_latent_prefill_on_the_gpu(dtype: torch.dtype, prefix_len: int, chunk: int, heads: int) -> None:
+    problem = latent_problem(prefix_len, chunk, heads, dtype, "cuda", rank=512, nope=128, rope=64, values=128,
+                             page_size=64)
+    got = latent_prefill_attention(*problem, segment=16384).float()
+    want = latent_prefill_attention_reference(*problem).float()
+    assert (got - want).abs().max().item() < (2e-2 if dtype == torch.bfloat16 else 4e-3)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("prefix_len, chunk", [(0, 1000), (3000, 777), (70000, 2048)])
@@ -61,21 +98,33 @@ def backend(request) -> dict:
     return request.param
 
 
-def test_long_prefill_chunks_equal_short_ones(tiny_target, backend: dict) -> None:
-    """Chunks longer than a tree take the prefill path; the KV they leave and the generation after them are
-    those of a prefill in chunks short enough for the verify kernels."""
-    long = make_engine(tiny_target, **backend, max_tree_nodes=15, prefill_chunk=100)
-    short = make_engine(tiny_target, **backend, max_tree_nodes=15, prefill_chunk=16)
-    prompt = prompt_of(250, seed=4)
+@pytest.fixture(scope="module")
+def tiny_mla_target(tmp_path_factory: pytest.TempPathFactory):
+    return make_tiny_target(tmp_path_factory.mktemp("tiny-mla"), seed=0, arch="deepseek_v3")
+
+
+@pytest.mark.parametrize("model, long_chunk, short_chunk, prompt_len", [("dense", 100, 16, 250),
+                                                                        ("mla", 300, 16, 700)])
+def test_long_prefill_chunks_equal_short_ones(request, backend: dict, model: str, long_chunk: int, short_chunk: int,
+                                              prompt_len: int) -> None:
+    """Chunks longer than a tree (for MLA: longer than the latent verify kernel takes) take the prefill path; the
+    KV they leave and the generation after them are those of a prefill in chunks short enough for the verify
+    kernels."""
+    target = request.getfixturevalue("tiny_target" if model == "dense" else "tiny_mla_target")
+    long = make_engine(target, **backend, max_tree_nodes=15, prefill_chunk=long_chunk)
+    short = make_engine(target, **backend, max_tree_nodes=15, prefill_chunk=short_chunk)
+    prompt = prompt_of(prompt_len, seed=4)
     outputs = []
     for engine in (long, short):
-        session, _ = engine.create_session(prompt, session_id="s")
+        engine.create_session(prompt, session_id="s")
         engine.start_generation("s", GREEDY)
         outputs.append(run_to_end(engine, "s", lambda _: DraftTree.empty())[0])
-    assert long.prefill_chunk == 100 and long.verify_block_tokens == 16
+    assert long.prefill_chunk == long_chunk < prompt_len and long.verify_block_tokens < long_chunk
     assert outputs[0] == outputs[1]
     prompt_slots = [long.session("s").block_table.slot(i) for i in range(len(prompt) - 1)]
     for pages_long, pages_short in ((long.kv.k, short.kv.k), (long.kv.v, short.kv.v)):
+        if pages_long is None:  # NOTE: an MLA cache has no V pages
+            continue
         flat = [p.flatten(1, 2)[:, prompt_slots] for p in (pages_long, pages_short)]
         torch.testing.assert_close(flat[0], flat[1], atol=1e-3 if backend else 1e-5, rtol=1e-3)
 
@@ -86,5 +135,4 @@ def test_prefill_chunk_defaults() -> None:
     assert EngineConfig().chunk_for(False) == TRITON_MAX_BLOCK  # the CPU
     assert EngineConfig(device="cuda", attention="triton").chunk_for(False) == LONG_PREFILL_CHUNK
     assert EngineConfig(device="cuda", attention="triton").chunk_for(True) == TRITON_MAX_BLOCK
-    with pytest.raises(ValueError, match="MLA models prefill in chunks of at most"):
-        EngineConfig(device="cuda", attention="triton", prefill_chunk=1024).chunk_for(True)
+    assert EngineConfig(device="cuda", attention="triton", prefill_chunk=1024).chunk_for(True) == 1024

@@ -28,6 +28,11 @@ class AttentionBackend(Protocol):
         """A long prefill chunk (GQA): q: [C, Hq, D]; k/v: [C, Hkv, D] the chunk's own -> [C, Hq, D]."""
         ...
 
+    def prefill_latent(self, q_nope: torch.Tensor, q_rope: torch.Tensor, pages: torch.Tensor, entries: torch.Tensor,
+                       chunk: PrefillChunk, w_uk: torch.Tensor, w_uv: torch.Tensor, sm_scale: float) -> torch.Tensor:
+        """A long prefill chunk (MLA, expanded): LayerAttention.latent_expanded's shapes; entries: [C, entry]."""
+        ...
+
     def commit(self, kv: KVCache, scratch: TreeScratch, src_rows: torch.Tensor, dst_slots: torch.Tensor) -> None:
         """Copy scratch rows `src_rows` into page slots `dst_slots` in every layer."""
         ...
@@ -47,6 +52,10 @@ class TorchReferenceBackend:
         return reference.prefill_attention_reference(q, k_pages, v_pages, chunk.block_table, chunk.prefix_len, k, v,
                                                      sm_scale)
 
+    def prefill_latent(self, q_nope, q_rope, pages, entries, chunk, w_uk, w_uv, sm_scale):
+        return reference.latent_prefill_attention_reference(q_nope, q_rope, pages, chunk.block_table,
+                                                            chunk.prefix_len, entries, w_uk, w_uv, sm_scale)
+
     def commit(self, kv, scratch, src_rows, dst_slots):
         for pages, rows in ((kv.k, scratch.k), (kv.v, scratch.v)):
             if pages is not None:  # NOTE: an MLA cache has no V pages
@@ -62,11 +71,11 @@ class TritonBackend:
         # NOTE: from the submodules: `ddtree_kernels.commit_kv` is both a submodule and a function name.
         from ddtree_kernels.commit_kv import commit_kv
         from ddtree_kernels.latent_verify import latent_verify_attention
-        from ddtree_kernels.prefill_attention import prefill_attention
+        from ddtree_kernels.prefill_attention import latent_prefill_attention, prefill_attention
         from ddtree_kernels.verify_attention import hybrid_verify_attention
 
         self._verify, self._verify_latent, self._commit = hybrid_verify_attention, latent_verify_attention, commit_kv
-        self._prefill = prefill_attention
+        self._prefill, self._prefill_latent = prefill_attention, latent_prefill_attention
 
     def verify(self, q, k_pages, v_pages, tree_k, tree_v, batch, sm_scale):
         return self._verify(q, k_pages, v_pages, batch.block_tables, batch.prefix_lens, tree_k, tree_v,
@@ -79,6 +88,10 @@ class TritonBackend:
 
     def prefill(self, q, k_pages, v_pages, k, v, chunk, sm_scale):
         return self._prefill(q, k_pages, v_pages, chunk.block_table, chunk.prefix_len, k, v, sm_scale)
+
+    def prefill_latent(self, q_nope, q_rope, pages, entries, chunk, w_uk, w_uv, sm_scale):
+        return self._prefill_latent(q_nope, q_rope, pages, chunk.block_table, chunk.prefix_len, entries, w_uk, w_uv,
+                                    sm_scale)
 
     def commit(self, kv, scratch, src_rows, dst_slots):
         self._commit(kv.k, kv.v, scratch.k, scratch.v, src_rows, dst_slots)
@@ -113,6 +126,9 @@ class PagedVerifyAttention:
         return self.backend.verify_latent(q, self.kv.k[layer], self.scratch.k[layer, :n, 0], self.batch,
                                           self.sm_scale, self.value_dim)
 
+    def latent_expanded(self, *args) -> None:
+        return None  # NOTE: verify blocks attend in absorbed form
+
     def in_scratch(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The block's K/V as scratch rows (written there unless they were projected in place)."""
         n = k.shape[0]
@@ -128,9 +144,16 @@ class PagedVerifyAttention:
 
 
 class PagedPrefillAttention(PagedVerifyAttention):
-    """The same for one long prefill chunk (`batch` is a PrefillChunk): causal over the chunk, no tree mask."""
+    """The same for one long prefill chunk (`batch` is a PrefillChunk): causal over the chunk, no tree mask; MLA
+    layers take the expanded form."""
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         chunk_k, chunk_v = self.in_scratch(layer, k, v)
         return self.backend.prefill(q, self.kv.k[layer], self.kv.v[layer], chunk_k, chunk_v, self.batch,
                                     self.sm_scale)
+
+    def latent_expanded(self, layer: int, q_nope: torch.Tensor, q_rope: torch.Tensor, entries: torch.Tensor,
+                        w_uk: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
+        self.scratch.k[layer, :entries.shape[0], 0] = entries
+        return self.backend.prefill_latent(q_nope, q_rope, self.kv.k[layer], entries, self.batch, w_uk, w_uv,
+                                           self.sm_scale)

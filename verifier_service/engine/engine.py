@@ -19,7 +19,7 @@ from modeling.tree import DraftTree
 from verifier_service.engine.acceptance import accept_path
 from verifier_service.engine.attention import PagedPrefillAttention, PagedVerifyAttention, TritonBackend, make_backend
 from verifier_service.engine.block_table import BlockTable
-from verifier_service.engine.config import EngineConfig
+from verifier_service.engine.config import TRITON_MAX_BLOCK, EngineConfig
 from verifier_service.engine.kv_cache import KVCache, TreeScratch
 from verifier_service.engine.page_pool import PagePool
 from verifier_service.engine.prefill import Prefill
@@ -79,9 +79,10 @@ class Engine:
         self.kv = self._kv_cache(num_pages, dtype, device)
         latent = self.model_config.mla is not None
         self.prefill_chunk = config.chunk_for(latent)
-        # NOTE: the rows one block may have in the verify kernels (and graphs); a longer one is a dense model's
-        # prefill chunk, run by the prefill path
-        self.verify_block_tokens = max(config.max_tree_tokens, self.prefill_chunk if latent else 0)
+        # NOTE: the rows one block may have in the verify kernels (and graphs); a longer one is a prefill chunk, run
+        # by the prefill path (MLA: only chunks longer than the latent verify kernel takes, as asked for)
+        latent_chunk = min(self.prefill_chunk, TRITON_MAX_BLOCK) if latent else 0
+        self.verify_block_tokens = max(config.max_tree_tokens, latent_chunk)
         self.scratch = TreeScratch(model.shard_config, max(config.max_batch_tokens, self.prefill_chunk), dtype, device)
         self.backend = make_backend(config.attention)
         self.sm_scale = self.model_config.attention_scale
@@ -114,7 +115,8 @@ class Engine:
 
     def _build_prefill_plans(self) -> None:
         """The fused prefill attention's per-shape plans for every full chunk a prompt up to max_context has."""
-        if self.prefill_chunk <= self.verify_block_tokens or not isinstance(self.backend, TritonBackend):
+        if (self.prefill_chunk <= self.verify_block_tokens or not isinstance(self.backend, TritonBackend)
+                or self.model_config.mla is not None):
             return
         from ddtree_kernels.prefill_attention import build_plans
 
