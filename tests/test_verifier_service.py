@@ -149,6 +149,27 @@ def test_a_step_runs_on_the_loop_only_when_no_other_session_needs_it(tiny_target
     assert threads[0] == threading.get_ident() != threads[1]
 
 
+def test_an_overload_waits_for_the_next_step_in_arrival_order(tiny_target) -> None:
+    """More work than one step takes (rows, sessions) is split over steps, the longest-waiting first; every
+    step is answered, none is refused."""
+    engine = make_engine(tiny_target, max_batch_tokens=40, max_batch_sessions=3, max_tree_nodes=15)
+    batches = []
+    engine.step = lambda work: batches.append([sid for sid, _ in work]) or [sid for sid, _ in work]
+    trees = {f"s{i}": DraftTree.chain([1] * size) for i, size in enumerate([15, 15, 15, 3, 3, 3, 15, 0])}
+
+    async def main() -> list:
+        worker = EngineWorker()
+        batcher = StepBatcher(engine, worker, lambda: len(trees))
+        batcher.start()
+        results = await asyncio.gather(*(batcher.submit(sid, tree) for sid, tree in trees.items()))
+        await batcher.stop()
+        worker.shutdown()
+        return results
+
+    assert asyncio.run(main()) == list(trees)
+    assert batches == [["s0", "s1"], ["s2", "s3", "s4"], ["s5", "s6", "s7"]]  # 32 of 40 rows, then 3 sessions
+
+
 def test_a_drafter_that_reads_features_gets_its_graphs_captured_before_the_first_step(tiny_target) -> None:
     """Start-up captures graphs that return no features (no replica answered); the drafter's layers arrive
     later and get theirs."""

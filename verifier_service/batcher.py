@@ -1,5 +1,7 @@
 """Batches the verify steps of concurrent sessions: whatever is queued while a step runs goes into
-the next one, so sessions ready at the same time share one forward."""
+the next one, so sessions ready at the same time share one forward. A step takes at most the engine's
+max_batch_tokens rows and max_batch_sessions sessions, the longest-waiting first; the rest wait for the next
+step, so an overload raises latency instead of failing steps."""
 
 from __future__ import annotations
 
@@ -52,11 +54,22 @@ class StepBatcher:
 
     async def _run(self) -> None:
         while True:
-            await self.wakeup.wait()
+            if not self.queue:
+                await self.wakeup.wait()
             self.wakeup.clear()
-            batch, self.queue = self.queue, []
-            if batch:
-                await self._step(batch)
+            if self.queue:
+                await self._step(self._take())
+
+    def _take(self) -> list[_Pending]:
+        """The longest-waiting steps that fit one batch (one that fits nowhere goes alone: the engine refuses it)."""
+        config, rows, taken = self.engine.config, 0, 0
+        for pending in self.queue:
+            size = len(pending.tree) + 1
+            if taken and (rows + size > config.max_batch_tokens or taken == config.max_batch_sessions):
+                break
+            rows, taken = rows + size, taken + 1
+        batch, self.queue = self.queue[:taken], self.queue[taken:]
+        return batch
 
     async def _step(self, batch: list[_Pending]) -> None:
         try:

@@ -50,6 +50,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-context", type=int, default=None)
     parser.add_argument("--prefill-chunk", type=int, default=None,
                         help="tokens per prefill chunk (default: 4096 for dense models on CUDA, else 256)")
+    parser.add_argument("--max-batch-tokens", type=int, default=2048,
+                        help="rows (tree nodes + roots) of one verify step; steps beyond it wait for the next")
+    parser.add_argument("--max-batch-sessions", type=int, default=256,
+                        help="sessions in one verify step; more wait for the next")
     parser.add_argument("--no-cuda-graphs", action="store_true",
                         help="run every forward eagerly (graphs are used on CUDA with --attention triton)")
     parser.add_argument("--metrics-port", type=int, default=0, help="Prometheus port; 0 = off")
@@ -69,6 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
 def engine_config(args: argparse.Namespace, model: ModelConfig) -> EngineConfig:
     return EngineConfig(page_size=args.page_size, kv_budget_bytes=int(args.kv_budget_mb * (1 << 20)),
                         max_tree_nodes=args.max_tree_nodes, prefill_chunk=args.prefill_chunk,
+                        max_batch_tokens=args.max_batch_tokens, max_batch_sessions=args.max_batch_sessions,
                         max_context=args.max_context,
                         dtype=args.dtype or model.torch_dtype, device=args.device,
                         attention=resolve_attention(args.attention, args.device),

@@ -30,6 +30,7 @@ class EngineConfig:
     max_tree_nodes: int = 255  # draft nodes per tree (the verify block holds one more: the root)
     prefill_chunk: int | None = None  # None: LONG_PREFILL_CHUNK for dense models on CUDA, else TRITON_MAX_BLOCK
     max_batch_tokens: int = 2048  # rows of one step's verify blocks together (the scratch holds a prefill chunk too)
+    max_batch_sessions: int = 256  # sessions in one step; more wait for the next (verifier_service/batcher.py)
     max_context: int | None = None  # defaults to the model's max_position_embeddings
     dtype: str = "float32"
     device: str = "cpu"
@@ -45,8 +46,8 @@ class EngineConfig:
             raise ValueError("prefill_chunk must be >= 1")
         if self.max_tree_nodes + 1 > self.max_batch_tokens:
             raise ValueError("max_tree_nodes + 1 must fit in max_batch_tokens")
-        if self.graph_max_sessions < 1:
-            raise ValueError("graph_max_sessions must be >= 1")
+        if self.graph_max_sessions < 1 or self.max_batch_sessions < 1:
+            raise ValueError("graph_max_sessions and max_batch_sessions must be >= 1")
         parse_dtype(self.dtype)
         if self.attention not in ("torch", "triton"):
             raise ValueError(f"attention must be 'torch' or 'triton', got {self.attention!r}")
