@@ -2,7 +2,8 @@
 (n-gram drafter by default) vs plain decoding, on the same prompts. Writes benchmarks/results/throughput.*.
 
     python benchmarks/throughput.py --target DIR --device cuda [--concurrency 1 4 16] [--context 4096]
-    python benchmarks/throughput.py --random-target DIR --device cuda   # writes a Qwen3-0.6B-shaped random model
+    python benchmarks/throughput.py --random-target DIR --device cuda [--random-shape qwen3-0.6b|qwen3-8b]
+        [--concurrency 1 16 64 128]   # writes a random model of that shape
     python benchmarks/throughput.py --tiny --context 512 --concurrency 1 4   # CPU smoke run
     python benchmarks/throughput.py --tiny --tree-budgets 7 15 31 63 adaptive   # one speculative run per choice
 """
@@ -19,6 +20,9 @@ import time
 import urllib.request
 from pathlib import Path
 
+from e2e_step import QWEN3_8B, copy_bandwidth
+
+from ddtree.bench import RequestRecord, distribution_ms
 from ddtree.client import AsyncClient
 from ddtree.local_stack import LocalStack, ensure_tiny_model, free_port
 from modeling.tiny import QWEN3_06B_SHAPE, make_tiny_target
@@ -38,18 +42,35 @@ async def run_sessions(gateway: str, texts: list[str], max_new_tokens: int, tree
 
     async def one(text: str):
         generation = client.generate(text, max_new_tokens=max_new_tokens, ignore_eos=True, tree_budget=tree_budget)
-        summary = await generation.result()
+        record = RequestRecord(time.perf_counter())
+        async for chunk in generation:
+            record.add_chunk(len(chunk.token_ids), time.perf_counter())
+        summary = generation.summary
         decode_s = (summary.e2e_ms - summary.ttft_ms) / 1e3
         return (len(generation.token_ids), summary.mean_acceptance_length, generation.token_ids, summary.ttft_ms,
-                (len(generation.token_ids) - 1) / decode_s)
+                (len(generation.token_ids) - 1) / decode_s, record.itl_s)
 
     started = time.perf_counter()
     results = await asyncio.gather(*(one(t) for t in texts))
     elapsed = time.perf_counter() - started
+    itl = distribution_ms([gap for r in results for gap in r[5]]) or {"p50": 0.0, "p99": 0.0}
     return {"tokens_per_s": sum(r[0] for r in results) / elapsed, "seconds": elapsed,
             "mean_acceptance_length": statistics.mean(r[1] for r in results), "outputs": [r[2] for r in results],
             "mean_ttft_ms": statistics.mean(r[3] for r in results),
-            "decode_tokens_per_s": sum(r[4] for r in results)}
+            "decode_tokens_per_s": sum(r[4] for r in results), "itl_p50_ms": itl["p50"], "itl_p99_ms": itl["p99"]}
+
+
+def plain_floor_tokens_per_s(target: str, sessions: int, context: int, bandwidth: float) -> float:
+    """What plain decoding of `sessions` sessions at `context` tokens can reach at most on this device: each step
+    reads the layer and LM-head weights once and every session's KV (bytes / the measured copy bandwidth)."""
+    config = json.loads((Path(target) / "config.json").read_text())
+    weights = sum(path.stat().st_size for path in Path(target).glob("*.safetensors"))
+    if not config.get("tie_word_embeddings", False):  # NOTE: the embedding is read a row per token, not whole
+        weights -= config["vocab_size"] * config["hidden_size"] * 2
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    kv_per_token = 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim * 2  # bf16 K and V
+    step_s = (weights + sessions * context * kv_per_token) / bandwidth
+    return sessions / step_s
 
 
 def agreeing_prefix(a: list[int], b: list[int]) -> int:
@@ -87,6 +108,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--target", help="HF checkpoint directory")
     parser.add_argument("--tiny", action="store_true", help="the tiny built-in model on the CPU")
+    parser.add_argument("--random-shape", choices=("qwen3-0.6b", "qwen3-8b"), default="qwen3-0.6b",
+                        help="the shape --random-target writes")
     parser.add_argument("--random-target", type=Path,
                         help="write a random Qwen3-0.6B-shaped bf16 model (byte-level tokenizer) here and use it")
     parser.add_argument("--drafter", default="ngram")
@@ -103,7 +126,8 @@ def main() -> None:
     args = parser.parse_args()
     target = str(ensure_tiny_model()[0]) if args.tiny else args.target
     if args.random_target:
-        target = str(make_tiny_target(args.random_target, shape=QWEN3_06B_SHAPE))
+        shape = QWEN3_06B_SHAPE if args.random_shape == "qwen3-0.6b" else QWEN3_8B
+        target = str(make_tiny_target(args.random_target, shape=shape))
     if target is None:
         raise SystemExit("--target DIR or --tiny")
     choices = args.tree_budgets or [str(args.tree_budget)]
@@ -113,11 +137,12 @@ def main() -> None:
                      "--budget-policy", "adaptive" if "adaptive" in pins else "fixed",
                      *(("--attention", "triton", "--kv-budget-mb", "16384")
                        if args.device == "cuda" else ()))
+    bandwidth = copy_bandwidth(args.device)
     spec_runs = measure(target, args.drafter, args.device, verifier_args, args.concurrency, args.context,
                         args.max_new_tokens, pins)
     plain_runs = measure(target, "none", args.device, verifier_args, args.concurrency, args.context,
                          args.max_new_tokens, {"plain": 0})
-    rows = []
+    rows, mean_context = [], args.context + args.max_new_tokens // 2  # NOTE: the prompt's tokens, ~ its characters
     for (c, choice), spec in spec_runs.items():
         plain = plain_runs[c, "plain"]
         same = [a == b for a, b in zip(spec["outputs"], plain["outputs"])]
@@ -131,22 +156,29 @@ def main() -> None:
                      "speculative_decode_tokens_per_s": spec["decode_tokens_per_s"],
                      "plain_decode_tokens_per_s": plain["decode_tokens_per_s"],
                      "speculative_mean_ttft_ms": spec["mean_ttft_ms"], "plain_mean_ttft_ms": plain["mean_ttft_ms"],
+                     "speculative_itl_ms": [spec["itl_p50_ms"], spec["itl_p99_ms"]],
+                     "plain_itl_ms": [plain["itl_p50_ms"], plain["itl_p99_ms"]],
+                     "plain_floor_tokens_per_s": plain_floor_tokens_per_s(target, c, mean_context, bandwidth),
                      "mean_agreeing_prefix": statistics.mean(agreeing_prefix(a, b) for a, b in
                                                             zip(spec["outputs"], plain["outputs"]))})
     command = "python " + " ".join(sys.argv)
     result = {"command": command, "target": target, "drafter": args.drafter, "device": args.device,
+              "copy_bandwidth": bandwidth,
               "context_chars": args.context, "max_new_tokens": args.max_new_tokens, "rows": rows}
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / "throughput.json").write_text(json.dumps(result, indent=2))
     lines = [f"# Throughput through the local stack ({args.device}, {Path(target).name})", "", f"`{command}`", "",
              "| sessions | tree budget | mean budget chosen | speculative tok/s | plain tok/s | speedup "
-             "| decode tok/s, speculative / plain | mean TTFT ms, speculative / plain | mean acceptance "
+             "| decode tok/s, speculative / plain | plain floor tok/s | ITL p50 / p99 ms, speculative | ITL p50 / p99 "
+             "ms, plain | mean TTFT ms, speculative / plain | mean acceptance "
              "| identical outputs | tokens agreeing before the first difference |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     lines += [f"| {r['concurrency']} | {r['tree_budget']} | {r['mean_tree_budget']:.1f} "
               f"| {r['speculative_tokens_per_s']:.1f} | {r['plain_tokens_per_s']:.1f} | "
               f"{r['speedup']:.2f}x | {r['speculative_decode_tokens_per_s']:.0f} / "
-              f"{r['plain_decode_tokens_per_s']:.0f} "
+              f"{r['plain_decode_tokens_per_s']:.0f} | {r['plain_floor_tokens_per_s']:.0f} "
+              f"| {r['speculative_itl_ms'][0]:.1f} / {r['speculative_itl_ms'][1]:.1f} "
+              f"| {r['plain_itl_ms'][0]:.1f} / {r['plain_itl_ms'][1]:.1f} "
               f"| {r['speculative_mean_ttft_ms']:.0f} / {r['plain_mean_ttft_ms']:.0f} "
               f"| {r['mean_acceptance_length']:.2f} | {r['identical_outputs']}/{r['concurrency']} "
               f"| {r['mean_agreeing_prefix']:.1f} of {args.max_new_tokens} |" for r in rows]
@@ -155,6 +187,8 @@ def main() -> None:
             "queued behind the other sessions' prefills). A tree budget is pinned by every request of its run "
             "('adaptive': the verifier's policy, whose shared cost model has also measured the runs before it); the "
             "mean budget chosen is over the steps after each generation's first. "
+            "ITL is each streamed chunk's gap shared by its tokens, over all sessions. The plain floor is the sessions "
+            "over a step that reads the weights and every session's KV once at the copy bandwidth measured here. "
             "On the CPU (fp32) the outputs are asserted equal. In bf16 the verify step (prefix partials merged with "
             "the tree block) and a plain step round differently, so near-tied argmaxes can flip (counted here).")
     (args.out_dir / "throughput.md").write_text("\n".join(lines) + "\n\n" + note + "\n")

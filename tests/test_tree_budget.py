@@ -329,4 +329,7 @@ def test_the_throughput_benchmark_runs_one_point_per_budget(tmp_path) -> None:
     assert [(r["concurrency"], r["tree_budget"]) for r in rows] == [(2, "3"), (2, "adaptive")]
     assert rows[0]["mean_tree_budget"] == 3 and 0 <= rows[1]["mean_tree_budget"] <= 3
     assert all(r["identical_outputs"] == 2 and r["speculative_tokens_per_s"] > 0 for r in rows)
+    for row in rows:  # NOTE: inter-token latencies per row, and the plain-decoding floor from the copy bandwidth
+        assert 0 < row["speculative_itl_ms"][0] <= row["speculative_itl_ms"][1]
+        assert 0 < row["plain_itl_ms"][0] <= row["plain_itl_ms"][1] and row["plain_floor_tokens_per_s"] > 0
     assert "| 2 | adaptive |" in (tmp_path / "throughput.md").read_text()
