@@ -3,6 +3,7 @@ verify -> accept -> commit step (plain decoding is the step with an empty tree).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import secrets
@@ -280,7 +281,10 @@ class Engine:
         """The target's own token at every verify row, per session (rows offsets[i]:offsets[i + 1])."""
         greedy = all(g.params.greedy for g in generations)
         chosen = self.head(hidden, greedy)  # [N] tokens, or [N, V] logits
-        return [chosen[lo:hi].tolist() if greedy else choose_tokens(chosen[lo:hi], g.params, g.generator).tolist()
+        if greedy:
+            tokens = chosen.tolist()  # NOTE: one copy to the host for the batch, not one per session
+            return [tokens[lo:hi] for lo, hi in zip(offsets, offsets[1:])]
+        return [choose_tokens(chosen[lo:hi], g.params, g.generator).tolist()
                 for g, lo, hi in zip(generations, offsets, offsets[1:])]
 
     def step(self, work: list[tuple[str, DraftTree]]) -> list[StepResult]:
@@ -323,9 +327,13 @@ class Engine:
                 emitted=emitted,
                 commit_start=start,
                 committed=[s.tokens[start + j] for j in range(len(rows))],
-                features=None if features is None else features[rows],
+                features=None,
                 finished=reason,
             ))
+        if features is not None:  # NOTE: one gather for the batch, split into views per session
+            per_session = features[torch.tensor(src_rows, device=features.device)].split(
+                [len(r.committed) for r in results])
+            results = [dataclasses.replace(r, features=f) for r, f in zip(results, per_session)]
         self.commit(src_rows, dst_slots)
         for s in sessions:
             s.block_table.truncate(s.kv_len)  # give back pages reserved for deeper paths
