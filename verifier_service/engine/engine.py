@@ -103,8 +103,9 @@ class Engine:
 
     def warm_up(self, tokens_per_session: int, progress: Callable[[list], Iterable] = iter) -> int:
         """Capture now every graph that a prefill chunk or a step of sessions with up to `tokens_per_session`
-        rows each can need: a capture in mid-request stalls every session for as long as it takes.
-        `progress` wraps the list of buckets (ddtree.progress.track). Returns the graphs held."""
+        rows each can need, and build the long prefill chunks' attention plans: a capture in mid-request stalls
+        every session for as long as it takes. `progress` wraps the list of buckets (ddtree.progress.track).
+        Returns the graphs held."""
         self._build_prefill_plans()
         if self.graphs is None:
             return 0
