@@ -220,6 +220,24 @@ def test_pins_and_their_validation() -> None:
         session_policy("fixed", 8, 9, costs)
 
 
+def test_a_sessions_adaptive_policy_outlives_its_generations_and_goes_with_it(tiny_target) -> None:
+    """The next turn of a session continues from what the last learnt; a pinned turn leaves it alone; another
+    session (a fork too) has its own; a released session takes its policy along."""
+    service = VerifierService(make_engine(tiny_target), None, VerifierMetrics(), tree_budget=15,
+                              budget_policy="adaptive")
+    first = service._budgets("a", 0)
+    assert isinstance(first, AdaptiveBudget) and service._budgets("a", 0) is first
+    assert service._budgets("a", 7) == FixedBudget(7) and service._budgets("a", 0) is first
+    assert service._budgets("b", 0) is not first
+
+    async def release() -> None:
+        await service._release("a")
+        service.worker.shutdown()
+
+    asyncio.run(release())
+    assert set(service.policies) == {"b"}
+
+
 # ---- the service: steps that skip the drafter, then draft again ---------------------------------------------
 
 

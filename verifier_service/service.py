@@ -25,7 +25,7 @@ from verifier_service.engine.session import Session
 from verifier_service.errors import EngineDown, SessionBusy
 from verifier_service.leases import SessionLeases
 from verifier_service.metrics import VerifierMetrics
-from verifier_service.tree_budget import BudgetPolicy, BudgetPolicyName, StepCosts, session_policy
+from verifier_service.tree_budget import AdaptiveBudget, BudgetPolicy, BudgetPolicyName, StepCosts, session_policy
 from verifier_service.worker import EngineWorker
 
 log = logging.getLogger(__name__)
@@ -72,6 +72,7 @@ class VerifierService:
         self.engine, self.drafters, self.metrics, self.tree_budget = engine, drafters, metrics, tree_budget
         self.budget_policy = budget_policy
         self.step_costs = StepCosts()  # NOTE: shared: every session's steps measure the same engine
+        self.policies: dict[str, AdaptiveBudget] = {}  # adaptive sessions' policies, across their generations
         self.worker = EngineWorker(inline_steps)
         self.generating: set[str] = set()
         self.leases = SessionLeases(lease_s)
@@ -194,6 +195,12 @@ class VerifierService:
             self.drafters.attach(fork.session_id, lambda: fork.tokens[:-1], features)
         return fork
 
+    def _budgets(self, session_id: str, pinned: int) -> BudgetPolicy:
+        """The generation's budget policy. A session's adaptive policy outlives its generations: the next turn
+        starts from what the last one learnt of the session's acceptance, not from exploring again."""
+        policy = session_policy(self.budget_policy, self.tree_budget, pinned, self.step_costs)
+        return self.policies.setdefault(session_id, policy) if isinstance(policy, AdaptiveBudget) else policy
+
     async def release_session(self, session_id: str) -> int:
         self._check_idle(session_id)
         self.engine.session(session_id)
@@ -207,6 +214,7 @@ class VerifierService:
 
     async def _release(self, session_id: str) -> None:
         self.leases.drop(session_id)
+        self.policies.pop(session_id, None)
         if self.drafters is not None:
             self.drafters.detach(session_id)
         await self._call(self.engine.release_session, session_id)
@@ -245,7 +253,7 @@ class VerifierService:
         self.generating.add(session_id)
         try:
             params.validate()
-            budgets = session_policy(self.budget_policy, self.tree_budget, tree_budget, self.step_costs)
+            budgets = self._budgets(session_id, tree_budget)
             if append:
                 prefill = await self._call(self.engine.begin_extend, session_id, append, self._feature_tail())
                 async with contextlib.aclosing(self._prefill(prefill)) as events:
