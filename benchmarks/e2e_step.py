@@ -243,8 +243,8 @@ def kernel_group(name: str) -> str:
     return name.split("(")[0][:48]
 
 
-def kernel_breakdown(fn, steps: int = 5) -> dict[str, float]:
-    """GPU time per step of each kernel group fn() launches (CUDA-graph replays included), in ms."""
+def cuda_events(fn, steps: int = 5) -> list:
+    """The GPU kernel events of `steps` calls of fn() (after one unprofiled call), CUDA-graph replays included."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
@@ -253,11 +253,15 @@ def kernel_breakdown(fn, steps: int = 5) -> dict[str, float]:
         for _ in range(steps):
             fn()
         synchronize()
+    return [event for event in prof.events() if event.device_type == torch.autograd.DeviceType.CUDA]
+
+
+def kernel_breakdown(fn, steps: int = 5) -> dict[str, float]:
+    """GPU time per step of each kernel group fn() launches, in ms."""
     totals: dict[str, float] = {}
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            group = kernel_group(event.name)
-            totals[group] = totals.get(group, 0.0) + event.time_range.elapsed_us() / 1e3 / steps
+    for event in cuda_events(fn, steps):
+        group = kernel_group(event.name)
+        totals[group] = totals.get(group, 0.0) + event.time_range.elapsed_us() / 1e3 / steps
     return dict(sorted(totals.items(), key=lambda item: -item[1]))
 
 
@@ -381,10 +385,12 @@ def markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
-def engine_for(ours: CausalLM, device: str, max_context: int) -> Engine:
+def engine_for(ours: CausalLM, device: str, max_context: int, sessions: int = 1) -> Engine:
+    """An engine with pages for `sessions` sessions of `max_context` tokens, filled with random K/V."""
     config = ours.config
     page_bytes = KVCache.page_bytes(config, 64, torch.bfloat16)
-    engine = Engine(ours, EngineConfig(page_size=64, kv_budget_bytes=(max_context // 64 + 8) * page_bytes,
+    pages = sessions * (max_context // 64 + 2) + 8
+    engine = Engine(ours, EngineConfig(page_size=64, kv_budget_bytes=pages * page_bytes,
                                        dtype="bfloat16", device=device,
                                        attention="triton" if device == "cuda" else "torch", max_context=max_context))
     for pages in (engine.kv.k, engine.kv.v):

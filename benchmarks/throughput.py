@@ -77,30 +77,39 @@ def agreeing_prefix(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
-def budget_totals(metrics_url: str) -> tuple[float, float]:
-    """The verifier's sum and count of the tree budgets its steps chose so far."""
+HISTOGRAMS = ("tree_budget", "batch_sessions", "batch_seconds")
+
+
+def histogram_totals(metrics_url: str) -> dict[str, tuple[float, float]]:
+    """The verifier's sum and count so far of each histogram in HISTOGRAMS."""
     text = urllib.request.urlopen(metrics_url, timeout=5).read().decode()
-    return tuple(float(re.search(rf"^ddtree_verifier_tree_budget_{part} (\S+)$", text, re.M).group(1))
-                 for part in ("sum", "count"))
+    return {name: tuple(float(re.search(rf"^ddtree_verifier_{name}_{part} (\S+)$", text, re.M).group(1))
+                        for part in ("sum", "count")) for name in HISTOGRAMS}
+
+
+def histogram_means(before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]) -> dict[str, float]:
+    return {f"mean_{name}": (after[name][0] - before[name][0]) / max(1.0, after[name][1] - before[name][1])
+            for name in HISTOGRAMS}
 
 
 def measure(target: str, drafter: str, device: str, verifier_args: tuple[str, ...], concurrency: list[int],
             context_chars: int, max_new_tokens: int, pins: dict[str, int]) -> dict[tuple[int, str], dict]:
     """One run per (concurrency, choice) on one stack; a choice pins the requests' tree budget (0: the verifier's
-    policy). Each run also reports the mean budget its steps chose."""
+    policy). Each run also reports the mean budget its steps chose and its engine steps' mean sessions and time."""
     metrics_port = free_port()
     verifier_args = (*verifier_args, "--metrics-port", str(metrics_port))
     metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
     runs = {}
-    with LocalStack(target, drafter, 1, device, f"127.0.0.1:{free_port()}", verifier_args=verifier_args) as stack:
+    sessions = ("--max-sessions-per-key", str(max(concurrency)))  # NOTE: the benchmark is one caller
+    with LocalStack(target, drafter, 1, device, f"127.0.0.1:{free_port()}", verifier_args=verifier_args,
+                    gateway_args=sessions) as stack:
         asyncio.run(run_sessions(stack.addresses["gateway"], prompts(1, 256), 8))  # warm-up (kernels, caches)
         for c in concurrency:
             for choice, pin in pins.items():
-                before = budget_totals(metrics_url)
+                before = histogram_totals(metrics_url)
                 run = asyncio.run(run_sessions(stack.addresses["gateway"], prompts(c, context_chars), max_new_tokens,
                                                pin))
-                after = budget_totals(metrics_url)
-                runs[c, choice] = {**run, "mean_tree_budget": (after[0] - before[0]) / max(1.0, after[1] - before[1])}
+                runs[c, choice] = {**run, **histogram_means(before, histogram_totals(metrics_url))}
     return runs
 
 
@@ -135,7 +144,7 @@ def main() -> None:
     max_budget = max((pin for pin in pins.values() if pin), default=args.tree_budget)
     verifier_args = ("--tree-budget", str(max_budget), "--max-context", str(args.context + 2048),
                      "--budget-policy", "adaptive" if "adaptive" in pins else "fixed",
-                     *(("--attention", "triton", "--kv-budget-mb", "16384")
+                     *(("--attention", "triton", "--kv-budget-mb", "32768")
                        if args.device == "cuda" else ()))
     bandwidth = copy_bandwidth(args.device)
     spec_runs = measure(target, args.drafter, args.device, verifier_args, args.concurrency, args.context,
@@ -159,6 +168,8 @@ def main() -> None:
                      "speculative_itl_ms": [spec["itl_p50_ms"], spec["itl_p99_ms"]],
                      "plain_itl_ms": [plain["itl_p50_ms"], plain["itl_p99_ms"]],
                      "plain_floor_tokens_per_s": plain_floor_tokens_per_s(target, c, mean_context, bandwidth),
+                     "batch_sessions": [spec["mean_batch_sessions"], plain["mean_batch_sessions"]],
+                     "batch_ms": [spec["mean_batch_seconds"] * 1e3, plain["mean_batch_seconds"] * 1e3],
                      "mean_agreeing_prefix": statistics.mean(agreeing_prefix(a, b) for a, b in
                                                             zip(spec["outputs"], plain["outputs"]))})
     command = "python " + " ".join(sys.argv)
@@ -169,14 +180,17 @@ def main() -> None:
     (args.out_dir / "throughput.json").write_text(json.dumps(result, indent=2))
     lines = [f"# Throughput through the local stack ({args.device}, {Path(target).name})", "", f"`{command}`", "",
              "| sessions | tree budget | mean budget chosen | speculative tok/s | plain tok/s | speedup "
-             "| decode tok/s, speculative / plain | plain floor tok/s | ITL p50 / p99 ms, speculative | ITL p50 / p99 "
-             "ms, plain | mean TTFT ms, speculative / plain | mean acceptance "
+             "| decode tok/s, speculative / plain | plain floor tok/s | sessions per step, speculative / plain "
+             "| ms per engine step, speculative / plain | ITL p50 / p99 ms, speculative | ITL p50 / p99 ms, plain "
+             "| mean TTFT ms, speculative / plain | mean acceptance "
              "| identical outputs | tokens agreeing before the first difference |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     lines += [f"| {r['concurrency']} | {r['tree_budget']} | {r['mean_tree_budget']:.1f} "
               f"| {r['speculative_tokens_per_s']:.1f} | {r['plain_tokens_per_s']:.1f} | "
               f"{r['speedup']:.2f}x | {r['speculative_decode_tokens_per_s']:.0f} / "
               f"{r['plain_decode_tokens_per_s']:.0f} | {r['plain_floor_tokens_per_s']:.0f} "
+              f"| {r['batch_sessions'][0]:.1f} / {r['batch_sessions'][1]:.1f} "
+              f"| {r['batch_ms'][0]:.1f} / {r['batch_ms'][1]:.1f} "
               f"| {r['speculative_itl_ms'][0]:.1f} / {r['speculative_itl_ms'][1]:.1f} "
               f"| {r['plain_itl_ms'][0]:.1f} / {r['plain_itl_ms'][1]:.1f} "
               f"| {r['speculative_mean_ttft_ms']:.0f} / {r['plain_mean_ttft_ms']:.0f} "
@@ -189,6 +203,8 @@ def main() -> None:
             "mean budget chosen is over the steps after each generation's first. "
             "ITL is each streamed chunk's gap shared by its tokens, over all sessions. The plain floor is the sessions "
             "over a step that reads the weights and every session's KV once at the copy bandwidth measured here. "
+            "Sessions per step and ms per engine step are the means over the run's engine verify steps (the batch's "
+            "wall time in the engine, host work included; prefill chunks not counted). "
             "On the CPU (fp32) the outputs are asserted equal. In bf16 the verify step (prefix partials merged with "
             "the tree block) and a plain step round differently, so near-tied argmaxes can flip (counted here).")
     (args.out_dir / "throughput.md").write_text("\n".join(lines) + "\n\n" + note + "\n")

@@ -11,7 +11,7 @@ from ddtree_kernels.reference import gather_prefix
 from modeling.graph_capture import buckets
 from modeling.tree import DraftTree, TreeError
 from tests.engine_helpers import GREEDY, make_engine, plain_generate, random_tree, run_to_end
-from verifier_service.engine.cuda_graphs import Buckets
+from verifier_service.engine.cuda_graphs import Buckets, spread
 from verifier_service.engine.sampling import SamplingParams
 from verifier_service.engine.stopping import StopReason
 from verifier_service.engine.verify_batch import BlockSpec, build_verify_batch
@@ -288,16 +288,20 @@ def test_bucket_sizes() -> None:
 def test_warm_up_reaches_the_bucket_of_every_step_and_prefill_chunk(max_seqs, max_tokens, per_session) -> None:
     """No batch a server can form (up to max_seqs sessions of 1..per_session rows, or one prefill chunk of up
     to 256 rows) lands in a bucket that warm-up skipped, and warm-up captures none that such batches miss."""
-    table = Buckets.up_to(max_seqs, max_tokens)
+    table = Buckets.up_to(max_seqs, max_tokens, 256)
     reachable = table.reachable(per_session, 256)
     assert all(table.fit(sizes) == key for key, sizes in reachable.items())
-    seen = set()  # NOTE: the bucket depends only on the session count and the total rows: try them all
+    edges = {edge + step for edge in table.tokens for step in (0, 1)}
+    seen = set()  # NOTE: the bucket depends only on the session count, the total rows and the largest block
     for sessions in range(1, max_seqs + 1):
-        for total in range(sessions, min(sessions * per_session, max_tokens) + 1):
-            seen.add(table.fit([total // sessions + (i < total % sessions) for i in range(sessions)]))
-    seen |= {table.fit([rows]) for rows in range(1, 257)}
+        for largest in range(1, (256 if sessions == 1 else per_session) + 1):
+            low, high = sessions - 1 + largest, min(sessions * largest, max_tokens)
+            for total in {low, high} | {edge for edge in edges if low <= edge <= high}:
+                if low <= high:
+                    seen.add(table.fit(spread(total, sessions, largest)))
     assert seen == set(reachable)
     assert table.fit([per_session] * (max_seqs + 1)) is None and table.fit([max_tokens + 1]) is None
+    assert table.fit([1] * 4)[2] == 1 and table.fit([1, per_session, 1])[2] >= per_session  # rows: the largest block
 
 
 @pytest.mark.gpu

@@ -350,4 +350,5 @@ def test_the_throughput_benchmark_runs_one_point_per_budget(tmp_path) -> None:
     for row in rows:  # NOTE: inter-token latencies per row, and the plain-decoding floor from the copy bandwidth
         assert 0 < row["speculative_itl_ms"][0] <= row["speculative_itl_ms"][1]
         assert 0 < row["plain_itl_ms"][0] <= row["plain_itl_ms"][1] and row["plain_floor_tokens_per_s"] > 0
+        assert all(1 <= sessions <= 2 for sessions in row["batch_sessions"]) and min(row["batch_ms"]) > 0
     assert "| 2 | adaptive |" in (tmp_path / "throughput.md").read_text()

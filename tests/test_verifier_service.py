@@ -170,6 +170,32 @@ def test_an_overload_waits_for_the_next_step_in_arrival_order(tiny_target) -> No
     assert batches == [["s0", "s1"], ["s2", "s3", "s4"], ["s5", "s6", "s7"]]  # 32 of 40 rows, then 3 sessions
 
 
+def test_a_step_waits_briefly_for_the_stepping_sessions_still_drafting(tiny_target) -> None:
+    """Two sessions step: the one still drafting when the other queues joins the same step if it comes within the
+    wait, and a late one gets a step of its own rather than holding the first up."""
+    engine = make_engine(tiny_target)
+    batches = []
+    engine.step = lambda work: batches.append(sorted(sid for sid, _ in work)) or [None] * len(work)
+
+    async def after(delay_s: float, batcher: StepBatcher, session_id: str) -> None:
+        await asyncio.sleep(delay_s)
+        await batcher.submit(session_id, DraftTree.empty())
+
+    async def main() -> None:
+        worker = EngineWorker()
+        batcher = StepBatcher(engine, worker, lambda: 2, gather_s=0.2)
+        batcher.start()
+        await asyncio.gather(after(0, batcher, "a"), after(0.05, batcher, "b"))
+        started = time.perf_counter()
+        await asyncio.gather(after(0, batcher, "a"), after(0.5, batcher, "b"))
+        assert 0.5 <= time.perf_counter() - started < 1.0
+        await batcher.stop()
+        worker.shutdown()
+
+    asyncio.run(main())
+    assert batches == [["a", "b"], ["a"], ["b"]]
+
+
 def test_a_drafter_that_reads_features_gets_its_graphs_captured_before_the_first_step(tiny_target) -> None:
     """Start-up captures graphs that return no features (no replica answered); the drafter's layers arrive
     later and get theirs."""

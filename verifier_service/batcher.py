@@ -1,11 +1,15 @@
-"""Batches the verify steps of concurrent sessions: whatever is queued while a step runs goes into
-the next one, so sessions ready at the same time share one forward. A step takes at most the engine's
-max_batch_tokens rows and max_batch_sessions sessions, the longest-waiting first; the rest wait for the next
-step, so an overload raises latency instead of failing steps."""
+"""Batches the verify steps of concurrent sessions into one forward. Before a step it waits (at most
+`gather_s`) for every stepping session to queue: one that is still streaming its last step or drafting its next
+tree joins this step instead of starting the next one, so sessions step together rather than drifting into
+half-full batches that each read all the weights. A step takes at most the engine's max_batch_tokens rows and
+max_batch_sessions sessions, the longest-waiting first; the rest wait for the next step, so an overload raises
+latency instead of failing steps."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -22,9 +26,13 @@ class _Pending:
 
 
 class StepBatcher:
-    def __init__(self, engine: Engine, worker: EngineWorker, generating: Callable[[], int]):
-        """generating: how many sessions are generating (in a step, between steps, or queued here)."""
-        self.engine, self.worker, self.generating = engine, worker, generating
+    def __init__(self, engine: Engine, worker: EngineWorker, stepping: Callable[[], int],
+                 observe: Callable[[int, float], None] = lambda sessions, seconds: None, gather_s: float = 0.005):
+        """stepping: how many sessions are in their step loops (in a step, between steps, or queued here); observe:
+        told each batch's sessions and wall time; gather_s: how long a step waits for the stepping sessions not
+        queued yet."""
+        self.engine, self.worker, self.stepping, self.observe = engine, worker, stepping, observe
+        self.gather_s = gather_s
         self.queue: list[_Pending] = []
         self.wakeup = asyncio.Event()
         self.task: asyncio.Task | None = None
@@ -57,26 +65,44 @@ class StepBatcher:
             if not self.queue:
                 await self.wakeup.wait()
             self.wakeup.clear()
+            await self._gather()
             if self.queue:
                 await self._step(self._take())
 
-    def _take(self) -> list[_Pending]:
-        """The longest-waiting steps that fit one batch (one that fits nowhere goes alone: the engine refuses it)."""
+    async def _gather(self) -> None:
+        """Wait until every stepping session is queued or the queue fills a batch, for at most `gather_s`."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.gather_s
+        while (self.queue and len(self.queue) < self.stepping() and self._fitting() == len(self.queue)
+               and (left := deadline - loop.time()) > 0):
+            self.wakeup.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.wakeup.wait(), left)
+
+    def _fitting(self) -> int:
+        """How many of the longest-waiting steps fit one batch (at least one: a step that fits nowhere goes alone
+        and the engine refuses it)."""
         config, rows, taken = self.engine.config, 0, 0
         for pending in self.queue:
             size = len(pending.tree) + 1
             if taken and (rows + size > config.max_batch_tokens or taken == config.max_batch_sessions):
                 break
             rows, taken = rows + size, taken + 1
+        return taken
+
+    def _take(self) -> list[_Pending]:
+        taken = self._fitting()
         batch, self.queue = self.queue[:taken], self.queue[taken:]
         return batch
 
     async def _step(self, batch: list[_Pending]) -> None:
         try:
             # NOTE: a session between steps needs the loop during this one (its draft round trip overlaps the
-            # GPU work), so only a batch of every generating session may run on the loop itself.
-            call = self.worker.step_call if len(batch) >= self.generating() else self.worker.call
+            # GPU work), so only a batch of every stepping session may run on the loop itself.
+            call = self.worker.step_call if len(batch) >= self.stepping() else self.worker.call
+            started = time.perf_counter()
             results = await call(self.engine.step, [(p.session_id, p.tree) for p in batch])
+            self.observe(len(batch), time.perf_counter() - started)
         except Exception as error:  # noqa: BLE001 - handed to the waiting caller
             if len(batch) == 1:
                 batch[0].future.set_exception(error)

@@ -33,6 +33,10 @@ class VerifierMetrics:
         self.reseeds = Counter("ddtree_verifier_reseeds", "Sessions re-seeded on another drafter replica",
                                registry=r)
         self.step_seconds = Histogram("ddtree_verifier_step_seconds", "Engine step latency", registry=r)
+        self.batch_sessions = Histogram("ddtree_verifier_batch_sessions", "Sessions per engine verify step",
+                                        buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256), registry=r)
+        self.batch_seconds = Histogram("ddtree_verifier_batch_seconds", "Wall time of one engine verify step "
+                                       "(the whole batch, host work included)", registry=r)
         self.kv_pages_used = Gauge("ddtree_verifier_kv_pages_used", "KV pages in use", registry=r)
         self.kv_pages_free = Gauge("ddtree_verifier_kv_pages_free", "KV pages free", registry=r)
         self.sessions = Gauge("ddtree_verifier_sessions", "Open sessions", registry=r)

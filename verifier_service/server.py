@@ -54,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="rows (tree nodes + roots) of one verify step; steps beyond it wait for the next")
     parser.add_argument("--max-batch-sessions", type=int, default=256,
                         help="sessions in one verify step; more wait for the next")
+    parser.add_argument("--batch-wait-ms", type=float, default=5.0,
+                        help="how long a verify step waits for generating sessions still drafting or streaming their "
+                             "last step, so that they share it instead of starting the next one")
     parser.add_argument("--no-cuda-graphs", action="store_true",
                         help="run every forward eagerly (graphs are used on CUDA with --attention triton)")
     parser.add_argument("--metrics-port", type=int, default=0, help="Prometheus port; 0 = off")
@@ -114,7 +117,8 @@ async def serve(args: argparse.Namespace) -> None:
         drafters = DrafterPool(args.drafters, metrics, args.draft_timeout_s, channel_options=channel_options(),
                                auth=auth)
     service = VerifierService(engine, drafters, metrics, tree_budget=args.tree_budget, inline_steps=group is None,
-                              lease_s=args.session_lease_s, budget_policy=args.budget_policy)
+                              lease_s=args.session_lease_s, budget_policy=args.budget_policy,
+                              batch_wait_s=args.batch_wait_ms / 1e3)
 
     server = ServiceServer(SERVICE_NAME, verifier_pb2_grpc.add_VerifierServicer_to_server,
                            VerifierServicer(service, Path(args.target).name), args.listen, server_options(), auth)

@@ -66,25 +66,31 @@ def _log_warm_up(warming: asyncio.Future) -> None:
 class VerifierService:
     def __init__(self, engine: Engine, drafters: DrafterPool | None, metrics: VerifierMetrics,
                  tree_budget: int = 15, inline_steps: bool = True, lease_s: float = DEFAULT_LEASE_S,
-                 budget_policy: BudgetPolicyName = "fixed"):
+                 budget_policy: BudgetPolicyName = "fixed", batch_wait_s: float = 0.005):
         """tree_budget: the largest budget of a step; budget_policy: verifier_service/tree_budget.py.
-        inline_steps: see EngineWorker (off for a tensor-parallel group). lease_s: see SessionLeases."""
+        inline_steps: see EngineWorker (off for a tensor-parallel group). lease_s: see SessionLeases.
+        batch_wait_s: how long a step waits for stepping sessions still drafting or streaming (StepBatcher)."""
         self.engine, self.drafters, self.metrics, self.tree_budget = engine, drafters, metrics, tree_budget
         self.budget_policy = budget_policy
         self.step_costs = StepCosts()  # NOTE: shared: every session's steps measure the same engine
         self.policies: dict[str, AdaptiveBudget] = {}  # adaptive sessions' policies, across their generations
         self.worker = EngineWorker(inline_steps)
         self.generating: set[str] = set()
+        self.stepping: set[str] = set()  # generating sessions past their prefill, in their step loops
         self.leases = SessionLeases(lease_s)
         self.background: set[asyncio.Task] = set()  # aborted prefills, releases of sessions whose caller went away
         self.reaper: asyncio.Task | None = None
         metrics.watch(engine, self.generating)
-        self.batcher = StepBatcher(engine, self.worker, lambda: len(self.generating))
+        self.batcher = StepBatcher(engine, self.worker, lambda: len(self.stepping), self._observe_batch, batch_wait_s)
         self.down = asyncio.Event()
         self.down_reason = ""
         self.warming: asyncio.Future | None = None
         if drafters is not None:
             drafters.on_info = self._use_drafter_features
+
+    def _observe_batch(self, sessions: int, seconds: float) -> None:
+        self.metrics.batch_sessions.observe(sessions)
+        self.metrics.batch_seconds.observe(seconds)
 
     def _use_drafter_features(self, info) -> None:
         layers = tuple(info.target_layer_ids)
@@ -278,25 +284,30 @@ class VerifierService:
         as the prefill is done (as the DDTree reference's prefill emits it) and the first draft starts from it.
         Every later step drafts a tree of the budget `budgets` chooses; each step's times teach `step_costs`."""
         cursor = StepCursor(session.session_id, session.kv_len)
-        while True:
-            started = time.perf_counter()
-            context, choosing = session.kv_len, cursor.step > 0 and self.drafters is not None
-            budget = budgets.choose(context) if choosing else 0
-            tree = await self._draft(cursor, session.root, budget) if cursor.step else None
-            verifying = tree or DraftTree.empty()
-            drafted = time.perf_counter()
-            result = await self._engine_work(functools.partial(self.batcher.submit, session.session_id, verifying))
-            verified = time.perf_counter()
-            self._count(result, len(verifying), verified - drafted)
-            if choosing:
-                self.metrics.tree_budget.observe(budget)
-            self.step_costs.observe(budget, len(verifying) + 1, context,
-                                    drafted - started if tree is not None else None, verified - drafted)
-            budgets.observe(budget, tree, result.accepted)
-            yield StepEvent(cursor.step, result, len(verifying), drafted - started, verified - drafted)
-            if result.finished:
-                return
-            cursor.advance(result.committed, result.features, result.commit_start)
+        self.stepping.add(session.session_id)  # NOTE: from here the batcher waits for this session's steps
+        try:
+            while True:
+                started = time.perf_counter()
+                context, choosing = session.kv_len, cursor.step > 0 and self.drafters is not None
+                budget = budgets.choose(context) if choosing else 0
+                tree = await self._draft(cursor, session.root, budget) if cursor.step else None
+                verifying = tree or DraftTree.empty()
+                drafted = time.perf_counter()
+                result = await self._engine_work(functools.partial(self.batcher.submit, session.session_id,
+                                                                   verifying))
+                verified = time.perf_counter()
+                self._count(result, len(verifying), verified - drafted)
+                if choosing:
+                    self.metrics.tree_budget.observe(budget)
+                self.step_costs.observe(budget, len(verifying) + 1, context,
+                                        drafted - started if tree is not None else None, verified - drafted)
+                budgets.observe(budget, tree, result.accepted)
+                yield StepEvent(cursor.step, result, len(verifying), drafted - started, verified - drafted)
+                if result.finished:
+                    return
+                cursor.advance(result.committed, result.features, result.commit_start)
+        finally:
+            self.stepping.discard(session.session_id)
 
     async def _draft(self, cursor: StepCursor, root: int, budget: int) -> DraftTree | None:
         """The tree to verify; None when none came (no drafter, a miss, a bad tree)."""

@@ -37,7 +37,7 @@ class EngineConfig:
     attention: str = "torch"  # torch (reference) | triton
     feature_layers: tuple[int, ...] = ()  # target layers whose hidden states feed the drafter
     cuda_graphs: bool = True  # replay captured forwards (CUDA with the triton backend only)
-    graph_max_sessions: int = 64  # larger batches run eagerly
+    graph_max_sessions: int = 256  # larger batches run eagerly (as many as max_batch_sessions by default)
 
     def __post_init__(self) -> None:
         if self.page_size not in PAGE_SIZES:

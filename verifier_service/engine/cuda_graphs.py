@@ -28,34 +28,53 @@ MIN_TOKENS = 16  # smallest token bucket: below it a step costs the same (the we
 
 @dataclass(frozen=True)
 class Buckets:
-    """The (sessions, tokens) shapes with a graph: powers of two, tokens from MIN_TOKENS."""
+    """The (sessions, tokens, rows) shapes with a graph: powers of two, tokens from MIN_TOKENS. `rows` bounds the
+    largest block: the attention kernels size their query tiles and merge grid by it, so a step of one-row blocks
+    (plain decoding) must not run in a graph sized for trees of hundreds of rows."""
 
     seqs: tuple[int, ...]
     tokens: tuple[int, ...]
+    rows: tuple[int, ...]
 
     @staticmethod
-    def up_to(max_seqs: int, max_tokens: int) -> Buckets:
-        return Buckets(tuple(buckets(max_seqs)), tuple(buckets(max_tokens, MIN_TOKENS)))
+    def up_to(max_seqs: int, max_tokens: int, max_rows: int) -> Buckets:
+        return Buckets(tuple(buckets(max_seqs)), tuple(buckets(max_tokens, MIN_TOKENS)), tuple(buckets(max_rows)))
 
-    def fit(self, block_sizes: list[int]) -> tuple[int, int] | None:
+    def fit(self, block_sizes: list[int]) -> tuple[int, int, int] | None:
         """The smallest bucket that holds blocks of these row counts, None when none does."""
-        num_tokens = sum(block_sizes)
-        if len(block_sizes) > self.seqs[-1] or num_tokens > self.tokens[-1]:
+        num_tokens, largest = sum(block_sizes), max(block_sizes)
+        if len(block_sizes) > self.seqs[-1] or num_tokens > self.tokens[-1] or largest > self.rows[-1]:
             return None
         seqs = next(s for s in self.seqs if s >= len(block_sizes))
-        return seqs, next(t for t in self.tokens if t >= max(num_tokens, seqs))
+        tokens = next(t for t in self.tokens if t >= max(num_tokens, seqs))
+        return seqs, tokens, next(r for r in self.rows if r >= largest)
 
-    def reachable(self, tokens_per_session: int, prefill_chunk: int) -> dict[tuple[int, int], list[int]]:
+    def reachable(self, tokens_per_session: int, prefill_chunk: int) -> dict[tuple[int, int, int], list[int]]:
         """Every bucket that a prefill chunk (one session, up to `prefill_chunk` rows) or a step of sessions
         with up to `tokens_per_session` rows each can land in, with the block sizes of one batch that does."""
         found = {}
-        for seqs, tokens in itertools.product(self.seqs, self.tokens):
-            rows = max(tokens_per_session, prefill_chunk) if seqs == 1 else tokens_per_session
-            total = min(tokens, seqs * rows)
-            sizes = [total // seqs + (i < total % seqs) for i in range(seqs)]
-            if total >= seqs and self.fit(sizes) == (seqs, tokens):
-                found[seqs, tokens] = sizes
+        for (fewest, seqs), tokens, (smallest, rows) in itertools.product(
+                zip((0, *self.seqs), self.seqs), self.tokens, zip((0, *self.rows), self.rows)):
+            per_session = max(tokens_per_session, prefill_chunk) if seqs == 1 else tokens_per_session
+            # NOTE: a batch of fewer blocks than the bucket is padded; its largest block is any in (smallest, rows]
+            batches = ((count, largest) for count in range(fewest + 1, seqs + 1)
+                       for largest in {smallest + 1, min(rows, per_session)} if smallest < largest <= per_session)
+            for count, largest in batches:
+                sizes = spread(min(tokens, count * largest), count, largest)
+                if sizes is not None and self.fit(sizes) == (seqs, tokens, rows):
+                    found[seqs, tokens, rows] = sizes
+                    break
         return found
+
+
+def spread(total: int, count: int, largest: int) -> list[int] | None:
+    """`count` block sizes summing to `total`, the first `largest` and the rest 1..largest; None if none can."""
+    rest = total - largest
+    if count == 1:
+        return [largest] if rest == 0 else None
+    if not count - 1 <= rest <= (count - 1) * largest:
+        return None
+    return [largest] + [rest // (count - 1) + (i < rest % (count - 1)) for i in range(count - 1)]
 
 
 @dataclass(frozen=True)
@@ -108,7 +127,7 @@ class GraphedForward:
         """max_block_tokens: the most rows of one block (a tree with its root, or a prefill chunk)."""
         self.forward, self.layout, self.device = forward, layout, device
         self.max_block_tokens, self.max_context = max_block_tokens, max_context
-        self.buckets = Buckets.up_to(layout.max_seqs, layout.max_tokens)
+        self.buckets = Buckets.up_to(layout.max_seqs, layout.max_tokens, max_block_tokens)
         self.host = torch.zeros(layout.size, dtype=torch.int32, pin_memory=True)
         self.inputs = torch.zeros(layout.size, dtype=torch.int32, device=device)
         self.positions = torch.zeros(layout.max_tokens, dtype=torch.int64, device=device)
@@ -117,8 +136,8 @@ class GraphedForward:
         self.pool = torch.cuda.graph_pool_handle()
         self.graphs: dict[tuple, _Captured] = {}
 
-    def bucket(self, blocks: list[BlockSpec]) -> tuple[int, int] | None:
-        """(sessions, tokens) of the smallest bucket the blocks fit, None when none does."""
+    def bucket(self, blocks: list[BlockSpec]) -> tuple[int, int, int] | None:
+        """(sessions, tokens, rows) of the smallest bucket the blocks fit, None when none does."""
         if max(len(b.pages) for b in blocks) > self.layout.max_pages:
             return None
         return self.buckets.fit([len(b.tokens) for b in blocks])
@@ -130,11 +149,11 @@ class GraphedForward:
         bucket = self.bucket(blocks)
         if bucket is None:
             return None
-        seqs, tokens = bucket
+        seqs, tokens, _ = bucket
         self._upload(blocks, seqs, tokens)
-        key = (seqs, tokens, capture_key)
+        key = (*bucket, capture_key)
         if key not in self.graphs:
-            self.graphs[key] = self._capture(seqs, tokens)
+            self.graphs[key] = self._capture(*bucket)
         captured = self.graphs[key]
         captured.graph.replay()
         rows = sum(len(b.tokens) for b in blocks)
@@ -161,7 +180,7 @@ class GraphedForward:
         self.inputs[:used].copy_(host[:used], non_blocking=True)
         self.uploaded.record()
 
-    def _batch(self, seqs: int, tokens: int) -> VerifyBatch:
+    def _batch(self, seqs: int, tokens: int, rows: int) -> VerifyBatch:
         """The static batch of one bucket: views of the upload buffer and of the device-built rows."""
         layout, inputs = self.layout, self.inputs
         tables = inputs[layout.tables].view(layout.max_seqs, layout.max_pages)[:seqs]
@@ -173,12 +192,12 @@ class GraphedForward:
             cu_tree=inputs[layout.cu_tree][: seqs + 1],
             tree_mask=self.tree_mask[:tokens],
             max_prefix_len=self.max_context,
-            max_tree_len=min(tokens, self.max_block_tokens),
+            max_tree_len=min(tokens, rows),
         )
 
     @torch.inference_mode()
-    def _capture(self, seqs: int, tokens: int) -> _Captured:
-        batch = self._batch(seqs, tokens)
+    def _capture(self, seqs: int, tokens: int, rows: int) -> _Captured:
+        batch = self._batch(seqs, tokens, rows)
         parents = self.inputs[self.layout.parents][:tokens]
 
         def step() -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -1,0 +1,145 @@
+"""One engine verify step of B sessions at once, without the services: its wall time, the GPU's busy time inside
+it, the host's share (wall minus busy) and the floor (weights and every session's KV read once at the measured
+copy bandwidth). Where the serving loop's step time goes before any gRPC is involved.
+
+    python benchmarks/batch_step.py [--shape qwen3-8b] [--sessions 1 16 32 64 128] [--budgets 0 15]
+    python benchmarks/batch_step.py --shape tiny --sessions 1 4 --profile-host   # CPU smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import sys
+from pathlib import Path
+
+import torch
+from e2e_step import (
+    build_ours,
+    copy_bandwidth,
+    cuda_events,
+    engine_for,
+    kernel_breakdown,
+    our_session,
+    random_tree,
+    shape_of,
+    synchronize,
+    timed,
+    weight_counts,
+    write_results,
+)
+
+from modeling.tree import DraftTree
+from verifier_service.engine.engine import Engine
+from verifier_service.engine.sampling import SamplingParams
+
+
+def gpu_busy_ms(fn, steps: int = 5) -> float:
+    """GPU time per call of fn(): the union of its kernels' intervals (overlapping kernels counted once)."""
+    intervals = sorted((e.time_range.start, e.time_range.end) for e in cuda_events(fn, steps))
+    busy, end = 0.0, float("-inf")
+    for start, stop in intervals:
+        busy += max(0.0, stop - max(start, end))
+        end = max(end, stop)
+    return busy / 1e3 / steps
+
+
+def host_profile(fn, steps: int = 20, top: int = 12) -> str:
+    """The host functions fn() spends its time in, by cumulative time (cProfile)."""
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(steps):
+        fn()
+    synchronize()
+    profiler.disable()
+    out = io.StringIO()
+    pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(top)
+    return out.getvalue()
+
+
+def open_sessions(engine: Engine, count: int, context: int) -> list[str]:
+    ids = [our_session(engine, context) for _ in range(count)]
+    for session_id in ids:
+        engine.start_generation(session_id, SamplingParams(max_new_tokens=1 << 20, ignore_eos=True))
+    return ids
+
+
+def floor_ms(engine: Engine, weights: dict, sessions: int, context: int, bandwidth: float) -> float:
+    """Dense shapes: every matmul weight (layers and LM head, bf16) and every session's KV read once."""
+    kv_bytes = engine.kv.page_bytes(engine.model_config, 1, torch.bfloat16) * sessions * context
+    return (2 * weights["matmul"] + kv_bytes) / bandwidth * 1e3
+
+
+def measure(engine: Engine, weights: dict, sessions: int, budget: int, context: int, bandwidth: float,
+            profile_host: bool) -> dict:
+    ids = open_sessions(engine, sessions, context)
+    generator = torch.Generator().manual_seed(sessions + budget)
+    trees = [random_tree(budget, engine.model_config.vocab_size, generator) if budget else DraftTree.empty()
+             for _ in ids]
+
+    def step() -> None:
+        engine.step(list(zip(ids, trees)))
+
+    wall = timed(step)
+    row = {"sessions": sessions, "budget": budget, "context": context, "step_ms": wall,
+           "floor_ms": floor_ms(engine, weights, sessions, context, bandwidth)}
+    if engine.device.type == "cuda":
+        row["gpu_busy_ms"] = gpu_busy_ms(step)
+        row["host_ms"] = wall - row["gpu_busy_ms"]
+        row["kernels_ms"] = kernel_breakdown(step)
+    if profile_host:
+        print(f"# host profile, {sessions} sessions, budget {budget}\n{host_profile(step)}", flush=True)
+    for session_id in ids:
+        engine.release_session(session_id)
+    return row
+
+
+def kernels(row: dict, top: int = 4) -> str:
+    groups = list(row.get("kernels_ms", {}).items())[:top]
+    return ", ".join(f"{name} {ms:.2f}" for name, ms in groups) or "-"
+
+
+def markdown(result: dict) -> str:
+    lines = [f"# One engine step of B sessions ({result['shape']}, {result['device']})", "",
+             f"`{result['command']}`", "",
+             "| sessions | budget | context | step ms | GPU busy ms | host ms (step - busy) | floor ms | step / floor "
+             "| GPU kernels, ms per step |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        busy, host = (f"{r[k]:.2f}" if k in r else "-" for k in ("gpu_busy_ms", "host_ms"))
+        lines.append(f"| {r['sessions']} | {r['budget']} | {r['context']} | {r['step_ms']:.2f} | {busy} | {host} "
+                     f"| {r['floor_ms']:.2f} | {r['step_ms'] / r['floor_ms']:.2f}x | {kernels(r)} |")
+    return "\n".join(lines) + ("\n\nThe step is `Engine.step` (batch building, the forward, acceptance, commit) with "
+                               "the GPU synchronised after it; GPU busy is the union of its kernels' intervals in the "
+                               "profiler; the floor reads the layer and LM-head weights and every session's KV once "
+                               "at the measured copy bandwidth.\n")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--shape", default="qwen3-8b", help="a shape of benchmarks/e2e_step.py")
+    parser.add_argument("--sessions", type=int, nargs="+", default=[1, 16, 32, 64, 128])
+    parser.add_argument("--budgets", type=int, nargs="+", default=[0, 15])
+    parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--profile-host", action="store_true", help="print a cProfile of each point's steps")
+    parser.add_argument("--out-dir", type=Path, default=Path("benchmarks/results"))
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    shape, drafter_shape, device = shape_of(args.shape)
+    ours, _ = build_ours(shape, drafter_shape, device)
+    tokens_per_session = args.context + 64 * (max(args.budgets) + 1)  # NOTE: room for the timed steps' commits
+    engine = engine_for(ours, device, tokens_per_session, sessions=max(args.sessions))
+    bandwidth, weights = copy_bandwidth(device), weight_counts(ours)
+    engine.warm_up(max(args.budgets) + 1)
+    rows = [measure(engine, weights, sessions, budget, args.context, bandwidth, args.profile_host)
+            for budget in args.budgets for sessions in args.sessions]
+    device_name = "CPU" if device == "cpu" else torch.cuda.get_device_name()
+    result = {"command": "python " + " ".join(sys.argv), "shape": args.shape, "device": device_name,
+              "bandwidth": bandwidth, "rows": rows}
+    write_results(args.out_dir, f"batch_step_{args.shape}", result, markdown(result))
+
+
+if __name__ == "__main__":
+    main()
