@@ -83,6 +83,7 @@ class VerifierService:
         metrics.watch(engine, self.generating)
         self.batcher = StepBatcher(engine, self.worker, lambda: len(self.stepping), self._observe_batch, batch_wait_s)
         self.down = asyncio.Event()
+        self.down_signal: asyncio.Future | None = None  # set with `down`; what engine calls race against
         self.down_reason = ""
         self.warming: asyncio.Future | None = None
         if drafters is not None:
@@ -133,6 +134,8 @@ class VerifierService:
         engine thread is stuck (in a collective with a dead rank)."""
         self.down_reason = reason
         self.down.set()
+        if self.down_signal is not None and not self.down_signal.done():
+            self.down_signal.set_result(None)
 
     async def _call(self, fn: Callable[..., T], *args, **kwargs) -> T:
         return await self._engine_work(functools.partial(self.worker.call, fn, *args, **kwargs))
@@ -153,15 +156,17 @@ class VerifierService:
         """Await `start()`, or raise EngineDown as soon as the engine is marked down."""
         if self.down.is_set():
             raise EngineDown(self.down_reason)
-        work, down = asyncio.ensure_future(start()), asyncio.ensure_future(self.down.wait())
+        loop = asyncio.get_running_loop()
+        if self.down_signal is None or self.down_signal.get_loop() is not loop:
+            # NOTE: one future shared by every call: a task waiting on `down` per call cost more than a small step
+            self.down_signal = loop.create_future()
+        work, down = asyncio.ensure_future(start()), self.down_signal
         try:
             done, _ = await asyncio.wait((work, down), return_when=asyncio.FIRST_COMPLETED)
         except asyncio.CancelledError:
             work.cancel()  # NOTE: a cancelled step settles before we return, unless the engine goes down first
             await asyncio.wait((work, down), return_when=asyncio.FIRST_COMPLETED)
             raise
-        finally:
-            down.cancel()
         if work in done:
             return work.result()
         work.cancel()
