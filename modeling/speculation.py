@@ -43,10 +43,18 @@ class StepCursor:
     def draft_step(self, root: int, budget: int) -> DraftStep:
         return DraftStep(self.session_id, self.step, self.committed, self.features, root, self.position, budget)
 
-    def advance(self, committed: list[int], features: torch.Tensor | None, commit_start: int) -> None:
-        """A verify step committed `committed` (root + accepted path) at `commit_start`."""
+    def advance(self, committed: list[int], features: torch.Tensor | None, commit_start: int,
+                drafted: bool = True) -> None:
+        """A verify step committed `committed` (root + accepted path) at `commit_start`. `drafted`: the step's
+        draft request carried what the cursor held; a step that skipped the drafter (budget 0) adds its tokens
+        to those, so the next draft brings the drafter's mirror up to date instead of re-seeding it."""
         self.step += 1
-        self.committed, self.features, self.position = committed, features, commit_start
+        if drafted or not self.committed:
+            self.committed, self.features, self.position = committed, features, commit_start
+            return
+        self.committed = self.committed + committed
+        if features is not None:
+            self.features = torch.cat([self.features, features.to(self.features.dtype)])
 
 
 class DrafterSeed(NamedTuple):

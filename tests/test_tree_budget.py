@@ -33,6 +33,7 @@ from verifier_service.metrics import VerifierMetrics
 from verifier_service.service import VerifierService
 from verifier_service.tree_budget import (
     AdaptiveBudget,
+    BatchShape,
     CostModel,
     FixedBudget,
     StepCosts,
@@ -143,15 +144,20 @@ def verify_s(rows: int) -> float:
     return 0.010 * (1 + rows / 64)
 
 
-def simulate(policy: AdaptiveBudget, costs: StepCosts, accepts, steps: int, found: bool = True) -> list[int]:
+def simulate(policy: AdaptiveBudget, costs: StepCosts, accepts, steps: int, found: bool = True,
+             others: int = 0) -> list[int]:
     """Chains of the chosen budget (empty ones when the drafter has `found` nothing); `accepts(step)` nodes of each
-    are accepted. Returns the budgets chosen."""
+    are accepted. The session steps in batches with `others` sessions of one row and one token each. Returns the
+    budgets chosen."""
     chosen = []
     for step in range(steps):
         budget = policy.choose(context=500)
         tree = DraftTree.chain(list(range(budget if found else 0)))
         accepted = list(tree.tokens[:accepts(step)])
-        costs.observe(budget, len(tree) + 1, 500, 0.002 if budget else None, verify_s(len(tree) + 1))
+        if budget:
+            costs.observe_draft(budget, 500, 0.002)
+        batch = BatchShape(1 + others, others + len(tree) + 1, others + len(accepted) + 1)
+        costs.observe_batch(batch, 500, verify_s(batch.rows))
         policy.observe(budget, tree, accepted)
         chosen.append(budget)
     return chosen
@@ -190,6 +196,20 @@ def test_drafts_that_never_pay_are_skipped_until_the_text_turns_predictable() ->
     assert explorations(chosen) == [0, 12, 24, 36] and set(chosen) == {0, MAX}
     later = simulate(policy, costs, lambda _: MAX, 24)  # steps 40 to 63
     assert later == [0] * 8 + [MAX] * 16
+
+
+def test_in_a_full_batch_a_small_gain_does_not_pay_for_its_rows() -> None:
+    """Alone, a session that accepts one node per step drafts (test above); beside 63 plain sessions its tree
+    slows them all for one more token, and it stops drafting. Explorations are rarer too: every session of the
+    batch explores, and each one costs the whole batch."""
+    costs = StepCosts()
+    chosen = simulate(AdaptiveBudget(MAX, costs), costs, lambda _: 1, 200, others=63)
+    assert set(chosen) == {0, MAX} and explorations(chosen) == [0, 64, 128, 192]
+
+
+def test_in_a_full_batch_a_session_that_accepts_every_node_still_drafts_the_maximum() -> None:
+    costs = StepCosts()
+    assert simulate(AdaptiveBudget(MAX, costs), costs, lambda _: MAX, 40, others=63) == [MAX] * 40
 
 
 def test_a_drafter_that_finds_nothing_is_asked_again_often() -> None:
@@ -256,7 +276,8 @@ class Scripted:
 
 
 @pytest.mark.parametrize("kind", ["dflash", "ngram"])
-def test_skipped_drafts_reseed_the_mirror_and_change_no_token(tiny_target, tmp_path, monkeypatch, kind) -> None:
+def test_skipped_drafts_keep_the_mirror_and_change_no_token(tiny_target, tmp_path, monkeypatch, kind) -> None:
+    """The next draft after skipped steps carries their tokens (and features): the mirror opens once."""
     engine = make_engine(tiny_target)
     prompt = list(b"the same words, the same words, the same words, the same")
     expected = plain_generate(engine, prompt)
@@ -265,7 +286,10 @@ def test_skipped_drafts_reseed_the_mirror_and_change_no_token(tiny_target, tmp_p
 
     async def main() -> tuple[list[int], VerifierMetrics]:
         server = grpc.aio.server()
-        drafter = DrafterServicer(load_drafter(drafter_dir, str(tiny_target)), "r0")
+        model = load_drafter(drafter_dir, str(tiny_target))
+        opened = model.open
+        monkeypatch.setattr(model, "open", lambda *args: opens.append(args[0]) or opened(*args))
+        drafter = DrafterServicer(model, "r0")
         drafter_pb2_grpc.add_DrafterServicer_to_server(drafter, server)
         port = server.add_insecure_port("127.0.0.1:0")
         drafter.start()
@@ -274,15 +298,20 @@ def test_skipped_drafts_reseed_the_mirror_and_change_no_token(tiny_target, tmp_p
         service = VerifierService(engine, DrafterPool(f"127.0.0.1:{port}", metrics, timeout_s=10), metrics,
                                   tree_budget=8, budget_policy="adaptive")
         await service.start()
+        learn = service.step_costs.observe_draft
+        monkeypatch.setattr(service.step_costs, "observe_draft", lambda *args: drafts.append(args) or learn(*args))
         session = await service.create_session(prompt)
         tokens = [t async for e in service.generate(session.session_id, [], GREEDY, False) for t in e.result.emitted]
         await service.stop()
         await server.stop(0)
         return tokens, metrics
 
+    opens, drafts = [], []  # drafts: (budget, context, seconds) the cost model was taught
     tokens, metrics = asyncio.run(main())
-    assert tokens == expected
-    assert metrics.draft_misses._value.get() == 0 and metrics.bad_trees._value.get() == 0  # every re-seed held
+    assert tokens == expected and len(opens) == 1
+    # NOTE: the first draft (budget 3) opened the mirror: its time is not a draft's cost
+    assert [budget for budget, _, _ in drafts[:4]] == [8, 7, 8, 3]
+    assert metrics.draft_misses._value.get() == 0 and metrics.bad_trees._value.get() == 0  # every catch-up held
     assert metrics.tree_budget._sum.get() > 0 and metrics.reseeds._value.get() == 0
 
 

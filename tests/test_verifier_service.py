@@ -183,7 +183,7 @@ def test_a_step_waits_briefly_for_the_stepping_sessions_still_drafting(tiny_targ
 
     async def main() -> None:
         worker = EngineWorker()
-        batcher = StepBatcher(engine, worker, lambda: 2, gather_s=0.2)
+        batcher = StepBatcher(engine, worker, lambda: 2, batch_wait_s=0.2)
         batcher.start()
         await asyncio.gather(after(0, batcher, "a"), after(0.05, batcher, "b"))
         started = time.perf_counter()

@@ -1,5 +1,5 @@
 """Batches the verify steps of concurrent sessions into one forward. Before a step it waits (at most
-`gather_s`) for every stepping session to queue: one that is still streaming its last step or drafting its next
+`batch_wait_s`) for every stepping session to queue: one that is still streaming its last step or drafting its next
 tree joins this step instead of starting the next one, so sessions step together rather than drifting into
 half-full batches that each read all the weights. A step takes at most the engine's max_batch_tokens rows and
 max_batch_sessions sessions, the longest-waiting first; the rest wait for the next step, so an overload raises
@@ -17,6 +17,8 @@ from modeling.tree import DraftTree
 from verifier_service.engine.engine import Engine, StepResult
 from verifier_service.worker import EngineWorker
 
+Step = tuple[str, DraftTree]  # a session and the tree its step verifies
+
 
 @dataclass
 class _Pending:
@@ -27,13 +29,15 @@ class _Pending:
 
 class StepBatcher:
     def __init__(self, engine: Engine, worker: EngineWorker, stepping: Callable[[], int],
-                 observe: Callable[[int, float], None] = lambda sessions, seconds: None, gather_s: float = 0.005):
+                 observe: Callable[[list[Step], list[StepResult], float], None] = lambda steps, results, seconds: None,
+                 batch_wait_s: float = 0.005):
         """stepping: how many sessions are in their step loops (in a step, between steps, or queued here); observe:
-        told each batch's sessions and wall time; gather_s: how long a step waits for the stepping sessions not
-        queued yet."""
+        told each batch's steps, results and wall time; batch_wait_s: how long a step waits for the stepping
+        sessions not queued yet."""
         self.engine, self.worker, self.stepping, self.observe = engine, worker, stepping, observe
-        self.gather_s = gather_s
+        self.batch_wait_s = batch_wait_s
         self.queue: list[_Pending] = []
+        self.queued_rows = 0
         self.wakeup = asyncio.Event()
         self.task: asyncio.Task | None = None
 
@@ -48,7 +52,9 @@ class StepBatcher:
     async def submit(self, session_id: str, tree: DraftTree) -> StepResult:
         pending = _Pending(session_id, tree, asyncio.get_running_loop().create_future())
         self.queue.append(pending)
-        self.wakeup.set()
+        self.queued_rows += len(tree) + 1
+        if len(self.queue) == 1 or self._gathered():  # NOTE: the first step starts a gather, the last ends it
+            self.wakeup.set()
         try:
             return await asyncio.shield(pending.future)
         except asyncio.CancelledError:
@@ -56,6 +62,7 @@ class StepBatcher:
             # either take it out of the queue or wait until the running step has finished with it.
             if pending in self.queue:
                 self.queue.remove(pending)
+                self.queued_rows -= len(tree) + 1
             else:
                 await asyncio.gather(pending.future, return_exceptions=True)
             raise
@@ -70,14 +77,19 @@ class StepBatcher:
                 await self._step(self._take())
 
     async def _gather(self) -> None:
-        """Wait until every stepping session is queued or the queue fills a batch, for at most `gather_s`."""
+        """Wait until every stepping session is queued or the queue fills a batch, for at most `batch_wait_s`."""
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.gather_s
-        while (self.queue and len(self.queue) < self.stepping() and self._fitting() == len(self.queue)
-               and (left := deadline - loop.time()) > 0):
+        deadline = loop.time() + self.batch_wait_s
+        while self.queue and not self._gathered() and (left := deadline - loop.time()) > 0:
             self.wakeup.clear()
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self.wakeup.wait(), left)
+
+    def _gathered(self) -> bool:
+        """Every stepping session is queued, or the queue holds more than one batch."""
+        config = self.engine.config
+        return (len(self.queue) >= self.stepping() or len(self.queue) > config.max_batch_sessions
+                or self.queued_rows > config.max_batch_tokens)
 
     def _fitting(self) -> int:
         """How many of the longest-waiting steps fit one batch (at least one: a step that fits nowhere goes alone
@@ -93,6 +105,7 @@ class StepBatcher:
     def _take(self) -> list[_Pending]:
         taken = self._fitting()
         batch, self.queue = self.queue[:taken], self.queue[taken:]
+        self.queued_rows -= sum(len(p.tree) + 1 for p in batch)
         return batch
 
     async def _step(self, batch: list[_Pending]) -> None:
@@ -101,8 +114,9 @@ class StepBatcher:
             # GPU work), so only a batch of every stepping session may run on the loop itself.
             call = self.worker.step_call if len(batch) >= self.stepping() else self.worker.call
             started = time.perf_counter()
-            results = await call(self.engine.step, [(p.session_id, p.tree) for p in batch])
-            self.observe(len(batch), time.perf_counter() - started)
+            steps = [(p.session_id, p.tree) for p in batch]
+            results = await call(self.engine.step, steps)
+            self.observe(steps, results, time.perf_counter() - started)
         except Exception as error:  # noqa: BLE001 - handed to the waiting caller
             if len(batch) == 1:
                 batch[0].future.set_exception(error)

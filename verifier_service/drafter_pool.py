@@ -271,6 +271,11 @@ class DrafterPool:
             old = state.features
             state.features = self._trim(features if old is None else torch.cat([old, features.to(old.dtype)]))
 
+    def is_open(self, session_id: str) -> bool:
+        """Whether the session's mirror is open on a usable replica (its next draft sends no seed)."""
+        state = self.sessions.get(session_id)
+        return state is not None and state.link is not None and state.link.usable()
+
     def close_mirror(self, session_id: str) -> None:
         """End of a generation: free the replica's mirror; the next generation re-opens it."""
         state = self.sessions.get(session_id)

@@ -16,7 +16,7 @@ from typing import TypeVar
 from ddtree.progress import track
 from modeling.speculation import StepCursor, feature_tail
 from modeling.tree import DraftTree, TreeError
-from verifier_service.batcher import StepBatcher
+from verifier_service.batcher import Step, StepBatcher
 from verifier_service.drafter_pool import DrafterPool
 from verifier_service.engine.engine import Engine, StepResult
 from verifier_service.engine.prefill import Prefill
@@ -25,7 +25,14 @@ from verifier_service.engine.session import Session
 from verifier_service.errors import EngineDown, SessionBusy
 from verifier_service.leases import SessionLeases
 from verifier_service.metrics import VerifierMetrics
-from verifier_service.tree_budget import AdaptiveBudget, BudgetPolicy, BudgetPolicyName, StepCosts, session_policy
+from verifier_service.tree_budget import (
+    AdaptiveBudget,
+    BatchShape,
+    BudgetPolicy,
+    BudgetPolicyName,
+    StepCosts,
+    session_policy,
+)
 from verifier_service.worker import EngineWorker
 
 log = logging.getLogger(__name__)
@@ -82,16 +89,20 @@ class VerifierService:
         self.reaper: asyncio.Task | None = None
         metrics.watch(engine, self.generating)
         self.batcher = StepBatcher(engine, self.worker, lambda: len(self.stepping), self._observe_batch, batch_wait_s)
-        self.down = asyncio.Event()
-        self.down_signal: asyncio.Future | None = None  # set with `down`; what engine calls race against
-        self.down_reason = ""
+        self.down_reason: str | None = None  # set once the engine is down: every engine call fails with it
+        self.down_signal: asyncio.Future | None = None  # done once the engine is down; what engine calls race
         self.warming: asyncio.Future | None = None
         if drafters is not None:
             drafters.on_info = self._use_drafter_features
 
-    def _observe_batch(self, sessions: int, seconds: float) -> None:
-        self.metrics.batch_sessions.observe(sessions)
+    def _observe_batch(self, steps: list[Step], results: list[StepResult], seconds: float) -> None:
+        self.metrics.batch_sessions.observe(len(steps))
         self.metrics.batch_seconds.observe(seconds)
+        shape = BatchShape(len(steps), sum(len(tree) + 1 for _, tree in steps),
+                           sum(result.acceptance_length for result in results))
+        sessions = [self.engine.sessions.get(session_id) for session_id, _ in steps]
+        context = sum(session.kv_len for session in sessions if session) // len(steps)
+        self.step_costs.observe_batch(shape, context, seconds)
 
     def _use_drafter_features(self, info) -> None:
         layers = tuple(info.target_layer_ids)
@@ -133,7 +144,6 @@ class VerifierService:
         """Mark the engine down: in-flight and later engine work fail with EngineDown at once, even while the
         engine thread is stuck (in a collective with a dead rank)."""
         self.down_reason = reason
-        self.down.set()
         if self.down_signal is not None and not self.down_signal.done():
             self.down_signal.set_result(None)
 
@@ -154,7 +164,7 @@ class VerifierService:
 
     async def _engine_work(self, start: Callable[[], Awaitable[T]]) -> T:
         """Await `start()`, or raise EngineDown as soon as the engine is marked down."""
-        if self.down.is_set():
+        if self.down_reason is not None:
             raise EngineDown(self.down_reason)
         loop = asyncio.get_running_loop()
         if self.down_signal is None or self.down_signal.get_loop() is not loop:
@@ -281,7 +291,7 @@ class VerifierService:
             self.leases.grant(session_id)  # NOTE: the lease restarts when the generation lets go of it
             if self.drafters is not None:
                 self.drafters.close_mirror(session_id)
-            if not keep_session and not self.down.is_set():
+            if not keep_session and self.down_reason is None:
                 await self._release(session_id)
 
     async def _steps(self, session: Session, budgets: BudgetPolicy) -> AsyncIterator[StepEvent]:
@@ -295,6 +305,7 @@ class VerifierService:
                 started = time.perf_counter()
                 context, choosing = session.kv_len, cursor.step > 0 and self.drafters is not None
                 budget = budgets.choose(context) if choosing else 0
+                seeding = bool(budget) and not self.drafters.is_open(session.session_id)
                 tree = await self._draft(cursor, session.root, budget) if cursor.step else None
                 verifying = tree or DraftTree.empty()
                 drafted = time.perf_counter()
@@ -304,25 +315,24 @@ class VerifierService:
                 self._count(result, len(verifying), verified - drafted)
                 if choosing:
                     self.metrics.tree_budget.observe(budget)
-                self.step_costs.observe(budget, len(verifying) + 1, context,
-                                        drafted - started if tree is not None else None, verified - drafted)
+                if tree is not None and budget and not seeding:  # NOTE: opening a mirror is no cost of its steps
+                    self.step_costs.observe_draft(budget, context, drafted - started)
                 budgets.observe(budget, tree, result.accepted)
-                yield StepEvent(cursor.step, result, len(verifying), drafted - started, verified - drafted)
+                event = StepEvent(cursor.step, result, len(verifying), drafted - started, verified - drafted)
+                cursor.advance(result.committed, result.features, result.commit_start, drafted=budget > 0)
+                yield event
                 if result.finished:
                     return
-                cursor.advance(result.committed, result.features, result.commit_start)
         finally:
             self.stepping.discard(session.session_id)
+            if self.drafters is not None:  # NOTE: features no draft carried, for the next turn's seed
+                self.drafters.add_features(session.session_id, cursor.features)
 
     async def _draft(self, cursor: StepCursor, root: int, budget: int) -> DraftTree | None:
         """The tree to verify; None when none came (no drafter, a miss, a bad tree)."""
         if self.drafters is None:
             return None
-        if budget == 0:
-            # NOTE: the drafter's mirror misses the tokens of a step that skips it: keep their features for the
-            # seed and re-seed the mirror at the next draft (drafter_pool.py: from the last W committed tokens)
-            self.drafters.add_features(cursor.session_id, cursor.features)
-            self.drafters.close_mirror(cursor.session_id)
+        if budget == 0:  # NOTE: the cursor keeps this step's tokens for the next draft
             return DraftTree.empty()
         tree = await self.drafters.draft(cursor.draft_step(root, budget))
         if tree is None:

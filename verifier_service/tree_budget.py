@@ -2,7 +2,8 @@
 of a step").
 
 The adaptive policy picks, each step, the candidate budget b in {0, 1, 3, 7, ..., max} with the most expected
-committed tokens per second, E[tokens(b)] / (t_draft(b) + t_verify(b)):
+committed tokens per second of the batch it joins:
+(E[tokens(b)] + the other sessions' tokens) / (t_draft(b) + t_verify(the other sessions' rows + b + 1)):
 
 - E[tokens(b)] comes from the session's own steps. Both drafters build best-first trees: the tree of budget b is
   the first b nodes of the tree of any budget B >= b (DDTree pops nodes from a heap in a total order, the n-gram
@@ -10,14 +11,15 @@ committed tokens per second, E[tokens(b)] / (t_draft(b) + t_verify(b)):
   child that matches, so a step verified with budget B and accepted path p would have accepted, with budget b, the
   longest prefix of p whose nodes are all below b: one verify tells every smaller budget's outcome (exactly when
   greedy; when sampling, the same draws per node make it an unbiased estimate).
-- The seconds come from a CostModel shared by the service's sessions, learnt from measured step times.
+- The seconds come from CostModels shared by the service's sessions, learnt from measured step times; a verify
+  costs what the whole batch costs, so each session weighs its tree against every session's time in the batch.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Literal, NamedTuple, Protocol
 
 from modeling.tree import DraftTree
 from verifier_service.errors import InvalidArgument
@@ -112,25 +114,46 @@ class CostModel:
         return row[known] * self.prior(key) / self.prior(known)
 
 
+class BatchShape(NamedTuple):
+    """One verify step of the batcher: its sessions, rows (roots included) and tokens produced."""
+
+    sessions: int
+    rows: int
+    tokens: int
+
+
 @dataclass
 class StepCosts:
-    """The service's cost models. The priors only order the budgets until the first steps are measured: a
-    verify that costs twice as much at 64 rows as at 1 (benchmarks/results/e2e_step.md: 9.7 ms at 16 rows, 17.5 ms
-    at 64, at 128k), a draft that costs about the same at any budget (one drafter forward)."""
+    """The service's cost models, and the shape of the last verify step. The verify model is keyed by the rows of
+    the whole batch: in a batch of many sessions one session's tree is paid for by every session in it, so a
+    session must not see its own rows as nearly free because the batch costs the same either way. The priors only
+    order the budgets until the first steps are measured: a verify that costs twice as much at 64 rows as at 1
+    (benchmarks/results/e2e_step.md: 9.7 ms at 16 rows, 17.5 ms at 64, at 128k), a draft that costs about the
+    same at any budget (one drafter forward)."""
 
     verify: CostModel = field(default_factory=lambda: CostModel(prior_s=0.010, slope=1 / 64))
     draft: CostModel = field(default_factory=lambda: CostModel(prior_s=0.002, slope=0.0))
+    batch: BatchShape = BatchShape(1, 1, 1)
 
-    def observe(self, budget: int, rows: int, context: int, draft_s: float | None, verify_s: float) -> None:
-        """One step: `rows` verified (the root included); `draft_s` None when no tree came (a miss is no cost of
-        drafting: a stalled drafter is not waited on again)."""
-        self.verify.observe(rows, context, verify_s)
-        if budget and draft_s is not None:
-            self.draft.observe(budget, context, draft_s)
+    def observe_batch(self, batch: BatchShape, context: int, seconds: float) -> None:
+        """A verify step of the batcher took `seconds`; `context`: its sessions' mean KV length."""
+        self.verify.observe(batch.rows, context, seconds)
+        self.batch = batch
 
-    def seconds(self, budget: int, nodes: float, context: int) -> float:
-        """A step of this budget whose tree has `nodes` nodes (budget 0: no draft at all)."""
-        return (self.draft.estimate(budget, context) if budget else 0.0) + self.verify.estimate(nodes + 1, context)
+    def observe_draft(self, budget: int, context: int, seconds: float) -> None:
+        """A draft of `budget` nodes came back after `seconds` (a miss is no cost of drafting: a stalled drafter is
+        not waited on again)."""
+        self.draft.observe(budget, context, seconds)
+
+    def others(self, own: BatchShape) -> BatchShape:
+        """The rest of the last batch, without a session whose own last step was `own`."""
+        return BatchShape(max(0, self.batch.sessions - own.sessions), max(0, self.batch.rows - own.rows),
+                          max(0, self.batch.tokens - own.tokens))
+
+    def seconds(self, budget: int, nodes: float, context: int, others: BatchShape) -> float:
+        """A step in which this session's tree has `nodes` nodes (budget 0: no draft at all), beside `others`."""
+        draft = self.draft.estimate(budget, context) if budget else 0.0
+        return draft + self.verify.estimate(others.rows + nodes + 1, context)
 
 
 class BudgetPolicy(Protocol):
@@ -153,17 +176,19 @@ class FixedBudget:
 
 
 class AdaptiveBudget:
-    """One generation's budgets: each step the candidate with the most expected tokens per second.
+    """One generation's budgets: each step the candidate with the most expected tokens per second of the batch it
+    joins (its own expected tokens plus the rest of the last batch's, over the step time with its tree).
 
     Budgets above the last one verified are known only from below, so the first drafted step verifies the maximum,
-    and later steps do again as often as keeps those explorations under `explore_share` of the session's time (at
-    least every `explore_every` steps): often when exploring is cheap (a drafter that finds nothing costs only its
-    round trip), rarely when a large tree costs much more than the chosen one. That also brings a session back
-    from budget 0 (no draft) once its text turns predictable. In between, a path that ran into the tree's edge (it
-    ended at a leaf of a tree the budget had cut) tries the next candidate up: one size larger costs little, and a
-    session whose text turns predictable climbs a size per step instead of waiting for the next exploration."""
+    and later steps do again as often as keeps those explorations under `explore_share` of the batch's time, and
+    at least every `explore_every` steps: often when exploring is cheap (a drafter that finds nothing costs only its
+    round trip), rarely when a large tree costs much more than the chosen one, and more rarely in a larger batch
+    (each of its sessions explores, and each exploration slows all of them). That also brings a session back from
+    budget 0 (no draft) once its text turns predictable. In between, a path that ran into the tree's edge (it ended
+    at a leaf of a tree the budget had cut) tries the next candidate up: one size larger costs little, and a session
+    whose text turns predictable climbs a size per step instead of waiting for the next exploration."""
 
-    def __init__(self, max_budget: int, costs: StepCosts, explore_share: float = 0.1, explore_every: int = 16,
+    def __init__(self, max_budget: int, costs: StepCosts, explore_share: float = 0.1, explore_every: int = 64,
                  decay: float = 0.8):
         self.max_budget, self.costs, self.decay = max_budget, costs, decay
         self.explore_share, self.explore_every = explore_share, explore_every
@@ -172,29 +197,36 @@ class AdaptiveBudget:
         self.nodes: dict[int, DecayedMean] = {}  # budget > 0 -> its tree's nodes
         self.since_max = 0  # steps since the last one at the maximum, that one included
         self.step_up: int | None = None  # the next step's budget after a path that ran into the edge
+        self.last = BatchShape(1, 1, 1)  # this session's share of its last step
 
     def choose(self, context: int) -> int:
         if self.max_budget not in self.accepted:
             return self.max_budget
-        best = max((0, *self.accepted), key=lambda b: (self.tokens_per_s(b, context), -b))
-        if self.since_max >= self._exploration_interval(best, context):
+        others = self.costs.others(self.last)
+        best = max((0, *self.accepted), key=lambda b: (self.tokens_per_s(b, context, others), -b))
+        if self.since_max >= self._exploration_interval(best, context, others):
             return self.max_budget
         return self.step_up if self.step_up is not None else best
 
-    def _seconds(self, budget: int, context: int) -> float:
-        return self.costs.seconds(budget, self.nodes[budget].value if budget else 0, context)
+    def _seconds(self, budget: int, context: int, others: BatchShape) -> float:
+        return self.costs.seconds(budget, self.nodes[budget].value if budget else 0, context, others)
 
-    def tokens_per_s(self, budget: int, context: int) -> float:
-        return (1 + (self.accepted[budget].value if budget else 0)) / self._seconds(budget, context)
+    def tokens_per_s(self, budget: int, context: int, others: BatchShape) -> float:
+        """The batch's expected tokens per second with this session at `budget`."""
+        tokens = others.tokens + 1 + (self.accepted[budget].value if budget else 0)
+        return tokens / self._seconds(budget, context, others)
 
-    def _exploration_interval(self, best: int, context: int) -> float:
-        """Steps from one exploration to the next that spend `explore_share` of the time on them."""
-        extra = self._seconds(self.max_budget, context) - self._seconds(best, context)
-        return min(self.explore_every, extra / (self.explore_share * self._seconds(best, context)))
+    def _exploration_interval(self, best: int, context: int, others: BatchShape) -> float:
+        """Steps from one exploration to the next that spend `explore_share` of the batch's time on the
+        explorations of all its sessions."""
+        extra = self._seconds(self.max_budget, context, others) - self._seconds(best, context, others)
+        sessions = others.sessions + 1
+        return min(self.explore_every, sessions * extra / (self.explore_share * self._seconds(best, context, others)))
 
     def observe(self, budget: int, tree: DraftTree | None, accepted: list[int]) -> None:
         self.since_max += 1
         self.step_up = None
+        self.last = BatchShape(1, (len(tree) if tree else 0) + 1, len(accepted) + 1)
         if tree is None or budget == 0:
             return
         if budget == self.max_budget:
