@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from modeling.tree import DraftTree
 from verifier_service.engine.engine import Engine, StepResult
+from verifier_service.errors import EngineDown
 from verifier_service.worker import EngineWorker
 
 Step = tuple[str, DraftTree]  # a session and the tree its step verifies
@@ -38,6 +39,8 @@ class StepBatcher:
         self.batch_wait_s = batch_wait_s
         self.queue: list[_Pending] = []
         self.queued_rows = 0
+        self.running: list[_Pending] = []  # the batch in the engine
+        self.down_reason: str | None = None
         self.wakeup = asyncio.Event()
         self.task: asyncio.Task | None = None
 
@@ -49,7 +52,18 @@ class StepBatcher:
             self.task.cancel()
             await asyncio.gather(self.task, return_exceptions=True)
 
+    def fail(self, reason: str) -> None:
+        """The engine is down: every queued and running step fails with EngineDown now (the engine thread may be
+        stuck in a collective with a dead rank), and so does every later one."""
+        self.down_reason = reason
+        for pending in self.queue + self.running:
+            if not pending.future.done():
+                pending.future.set_exception(EngineDown(reason))
+        self.queue, self.queued_rows = [], 0
+
     async def submit(self, session_id: str, tree: DraftTree) -> StepResult:
+        if self.down_reason is not None:
+            raise EngineDown(self.down_reason)
         pending = _Pending(session_id, tree, asyncio.get_running_loop().create_future())
         self.queue.append(pending)
         self.queued_rows += len(tree) + 1
@@ -115,11 +129,16 @@ class StepBatcher:
             call = self.worker.step_call if len(batch) >= self.stepping() else self.worker.call
             started = time.perf_counter()
             steps = [(p.session_id, p.tree) for p in batch]
-            results = await call(self.engine.step, steps)
+            self.running = batch
+            try:
+                results = await call(self.engine.step, steps)
+            finally:
+                self.running = []
             self.observe(steps, results, time.perf_counter() - started)
         except Exception as error:  # noqa: BLE001 - handed to the waiting caller
             if len(batch) == 1:
-                batch[0].future.set_exception(error)
+                if not batch[0].future.done():
+                    batch[0].future.set_exception(error)
                 return
             # NOTE: the engine validates and reserves pages before it runs anything, so a failed batch
             # changed nothing; stepping the sessions one by one isolates the one at fault.
@@ -127,4 +146,5 @@ class StepBatcher:
                 await self._step([pending])
             return
         for pending, result in zip(batch, results):
-            pending.future.set_result(result)
+            if not pending.future.done():  # NOTE: failed meanwhile (the engine went down)
+                pending.future.set_result(result)

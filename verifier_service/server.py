@@ -57,6 +57,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--batch-wait-ms", type=float, default=5.0,
                         help="how long a verify step waits for generating sessions still drafting or streaming their "
                              "last step, so that they share it instead of starting the next one")
+    parser.add_argument("--gil-switch-interval-ms", type=float, default=0.5,
+                        help="Python's thread switch interval (sys.setswitchinterval; Python's default is 5): the "
+                             "engine thread lets go of the GIL at every torch call and waits up to this long to take "
+                             "it back from the busy event loop")
     parser.add_argument("--no-cuda-graphs", action="store_true",
                         help="run every forward eagerly (graphs are used on CUDA with --attention triton)")
     parser.add_argument("--metrics-port", type=int, default=0, help="Prometheus port; 0 = off")
@@ -103,6 +107,7 @@ async def fail_when_a_rank_fails(group: TensorParallelGroup, service: VerifierSe
 
 
 async def serve(args: argparse.Namespace) -> None:
+    sys.setswitchinterval(args.gil_switch_interval_ms / 1e3)
     auth = internal_auth(args)  # NOTE: first: a bad secret file fails the start before the checkpoint loads
     config = engine_config(args, ModelConfig.from_dir(args.target))
     group = None

@@ -144,11 +144,10 @@ class VerifierService:
         """Mark the engine down: in-flight and later engine work fail with EngineDown at once, even while the
         engine thread is stuck (in a collective with a dead rank)."""
         self.down_reason = reason
+        self.batcher.fail(reason)
         if self.down_signal is not None and not self.down_signal.done():
             self.down_signal.set_result(None)
 
-    async def _call(self, fn: Callable[..., T], *args, **kwargs) -> T:
-        return await self._engine_work(functools.partial(self.worker.call, fn, *args, **kwargs))
 
     async def _prefill(self, prefill: Prefill) -> AsyncIterator[PrefillEvent]:
         """A prefill one chunk per engine call: the verify steps queued meanwhile run between two chunks, so a
@@ -162,15 +161,16 @@ class VerifierService:
             self._in_background(self._call(prefill.abort))  # NOTE: behind a chunk still running on the engine thread
             raise
 
-    async def _engine_work(self, start: Callable[[], Awaitable[T]]) -> T:
-        """Await `start()`, or raise EngineDown as soon as the engine is marked down."""
+    async def _call(self, fn: Callable[..., T], *args, **kwargs) -> T:
+        """fn(*args, **kwargs) on the engine thread, or EngineDown as soon as the engine is marked down. (Verify
+        steps go through the batcher, which fails them itself.)"""
         if self.down_reason is not None:
             raise EngineDown(self.down_reason)
         loop = asyncio.get_running_loop()
         if self.down_signal is None or self.down_signal.get_loop() is not loop:
             # NOTE: one future shared by every call: a task waiting on `down` per call cost more than a small step
             self.down_signal = loop.create_future()
-        work, down = asyncio.ensure_future(start()), self.down_signal
+        work, down = asyncio.ensure_future(self.worker.call(fn, *args, **kwargs)), self.down_signal
         try:
             done, _ = await asyncio.wait((work, down), return_when=asyncio.FIRST_COMPLETED)
         except asyncio.CancelledError:
@@ -309,8 +309,7 @@ class VerifierService:
                 tree = await self._draft(cursor, session.root, budget) if cursor.step else None
                 verifying = tree or DraftTree.empty()
                 drafted = time.perf_counter()
-                result = await self._engine_work(functools.partial(self.batcher.submit, session.session_id,
-                                                                   verifying))
+                result = await self.batcher.submit(session.session_id, verifying)  # NOTE: fails when the engine does
                 verified = time.perf_counter()
                 self._count(result, len(verifying), verified - drafted)
                 if choosing:

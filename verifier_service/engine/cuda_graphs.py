@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from ddtree_kernels.tree_mask import tree_positions_and_mask
@@ -129,6 +130,7 @@ class GraphedForward:
         self.max_block_tokens, self.max_context = max_block_tokens, max_context
         self.buckets = Buckets.up_to(layout.max_seqs, layout.max_tokens, max_block_tokens)
         self.host = torch.zeros(layout.size, dtype=torch.int32, pin_memory=True)
+        self.host_array = self.host.numpy()  # NOTE: the same memory; numpy writes keep the GIL (see _upload)
         self.inputs = torch.zeros(layout.size, dtype=torch.int32, device=device)
         self.positions = torch.zeros(layout.max_tokens, dtype=torch.int64, device=device)
         self.tree_mask = torch.zeros(layout.max_tokens, -(-max_block_tokens // 32), dtype=torch.int32, device=device)
@@ -161,7 +163,10 @@ class GraphedForward:
         return captured.hidden[:rows].clone(), features
 
     def _upload(self, blocks: list[BlockSpec], seqs: int, tokens: int) -> None:
-        layout, host = self.layout, self.host
+        """Write the batch into the pinned buffer with numpy and upload it with one copy. NOTE: every torch call
+        lets go of the GIL and must take it back; beside a busy event loop each one can wait a thread switch
+        interval, so the host side of a step uses as few torch calls as it can, none per session."""
+        layout, host = self.layout, self.host_array
         self.uploaded.synchronize()  # NOTE: the previous upload has left the pinned buffer
         ids, parents, cu = [], [], [0]
         for block in blocks:
@@ -177,7 +182,7 @@ class GraphedForward:
             start = layout.tables.start + row * layout.max_pages
             fill(host, slice(start, start + len(block.pages)), block.pages)
         used = layout.tables.start + seqs * layout.max_pages
-        self.inputs[:used].copy_(host[:used], non_blocking=True)
+        self.inputs[:used].copy_(self.host[:used], non_blocking=True)
         self.uploaded.record()
 
     def _batch(self, seqs: int, tokens: int, rows: int) -> VerifyBatch:
@@ -208,6 +213,5 @@ class GraphedForward:
         return _Captured(graph, hidden, features)
 
 
-def fill(host: torch.Tensor, where: slice, values: list[int]) -> None:
-    if values:
-        host[where.start: where.start + len(values)] = torch.tensor(values, dtype=torch.int32)
+def fill(host: np.ndarray, where: slice, values: list[int]) -> None:
+    host[where.start: where.start + len(values)] = values
