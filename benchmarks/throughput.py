@@ -14,6 +14,7 @@ import argparse
 import asyncio
 import json
 import re
+import shlex
 import statistics
 import sys
 import time
@@ -131,6 +132,8 @@ def main() -> None:
                         help="one speculative run per choice on the same stack: a budget pinned by the requests, or "
                              "'adaptive' (the verifier's policy); the verifier's maximum is the largest number given "
                              "(default: the --tree-budget run alone)")
+    parser.add_argument("--verifier-arg", action="append", default=[], metavar="WORDS",
+                        help="more words for the verifier, e.g. \"--gil-switch-interval-ms 5\" (repeatable)")
     parser.add_argument("--out-dir", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()
     target = str(ensure_tiny_model()[0]) if args.tiny else args.target
@@ -145,7 +148,8 @@ def main() -> None:
     verifier_args = ("--tree-budget", str(max_budget), "--max-context", str(args.context + 2048),
                      "--budget-policy", "adaptive" if "adaptive" in pins else "fixed",
                      *(("--attention", "triton", "--kv-budget-mb", "32768")
-                       if args.device == "cuda" else ()))
+                       if args.device == "cuda" else ()),
+                     *(word for value in args.verifier_arg for word in shlex.split(value)))
     bandwidth = copy_bandwidth(args.device)
     spec_runs = measure(target, args.drafter, args.device, verifier_args, args.concurrency, args.context,
                         args.max_new_tokens, pins)

@@ -184,12 +184,12 @@ class GatewayService:
                                                                append_token_ids=append, params=params,
                                                                keep_session=keep, tree_budget=tree_budget)
                 left = None if caller.timeout is None else max(0.0, caller.timeout - (self._clock() - started))
-                call = self.pool.stub(entry.verifier).Generate(request, timeout=left)
+                steps = self.pool.generate(entry.verifier, request, left)
                 try:
-                    async for step in call:
+                    async for step in steps:
                         yield relay.reply(step)
                 finally:
-                    call.cancel()  # a no-op once the stream ended; stops the verifier when we were cancelled
+                    await steps.aclose()  # a no-op once the generation ended; stops it at the verifier otherwise
                     entry.reserved = 0
                     entry.tokens = relay.session_tokens or entry.tokens
                     entry.stop_token = relay.stop_token

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.errors import NoVerifier
+from gateway.generation_streams import GenerationStream
 from proto import verifier_pb2, verifier_pb2_grpc
 from proto.security import NO_AUTH, InternalAuth
 
@@ -27,10 +28,20 @@ class VerifierPool:
         self._stubs = {a: verifier_pb2_grpc.VerifierStub(c) for a, c in self._channels.items()}
         self._health = {a: health_pb2_grpc.HealthStub(c) for a, c in self._channels.items()}
         self.infos: dict[str, verifier_pb2.VerifierInfoReply | None] = dict.fromkeys(self.addresses)
+        self._streams: dict[str, GenerationStream] = {}
         self._turn = 0
 
     def stub(self, address: str) -> verifier_pb2_grpc.VerifierStub:
         return self._stubs[address]
+
+    def generate(self, address: str, request: verifier_pb2.VerifierGenerateRequest,
+                 timeout: float | None) -> AsyncIterator[verifier_pb2.VerifierGenerateStep]:
+        """A generation on the verifier at `address`, over the one GenerateStream call the gateway keeps there
+        (opened again after it broke); it behaves as a Generate call (gateway/generation_streams.py)."""
+        stream = self._streams.get(address)
+        if stream is None or stream.broken:
+            stream = self._streams[address] = GenerationStream(self._stubs[address])
+        return stream.generate(request, timeout)
 
     @property
     def up(self) -> list[str]:
@@ -76,4 +87,5 @@ class VerifierPool:
         return -1 if info is None else info.free_pages
 
     async def close(self) -> None:
+        await asyncio.gather(*(s.close() for s in self._streams.values()))
         await asyncio.gather(*(c.close() for c in self._channels.values()))

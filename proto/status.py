@@ -79,6 +79,16 @@ def status_of(error: Exception, fallbacks: Fallbacks = ()) -> Status:
     return _known(error, fallbacks) or (grpc.StatusCode.INTERNAL, str(error))
 
 
+def reported_status(error: Exception, fallbacks: Fallbacks, where: str) -> Status:
+    """The status a caller is told for `error`: `status_of`'s, except that an unexpected exception is logged
+    and told as a fixed INTERNAL message (its text may name paths, addresses or internals)."""
+    status = _known(error, fallbacks)
+    if status is None:
+        log.error("unexpected failure in %s", where, exc_info=error)
+        status = grpc.StatusCode.INTERNAL, f"internal error: {type(error).__name__}"
+    return status
+
+
 def maps_status(*, fallbacks: Fallbacks = (), translate: Callable[[Exception], Status | None] | None = None,
                 on_status: Callable[[Any, grpc.StatusCode], None] | None = None) -> Callable[[M], M]:
     """A decorator for unary and server-streaming servicer methods `(self, request, context)`: an exception
@@ -101,11 +111,7 @@ def maps_status(*, fallbacks: Fallbacks = (), translate: Callable[[Exception], S
         except grpc.aio.AbortError:
             raise
         except Exception as error:  # noqa: BLE001 - the one place errors become statuses
-            status = translate(error) if translate is not None else None
-            status = status or _known(error, fallbacks)
-            if status is None:
-                log.exception("unexpected failure in %s", name)
-                status = grpc.StatusCode.INTERNAL, f"internal error: {type(error).__name__}"
+            status = (translate(error) if translate is not None else None) or reported_status(error, fallbacks, name)
             if on_status is not None:
                 on_status(servicer, status[0])
             await context.abort(*status)

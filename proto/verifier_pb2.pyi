@@ -73,6 +73,42 @@ class VerifierGenerateStep(_message.Message):
     prefill: _common_pb2.PrefillProgress
     def __init__(self, step: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., acceptance_length: _Optional[int] = ..., drafted_nodes: _Optional[int] = ..., finished: _Optional[bool] = ..., stop_reason: _Optional[_Union[_common_pb2.StopReason, str]] = ..., num_tokens: _Optional[int] = ..., timings: _Optional[_Union[_common_pb2.StepTimings, _Mapping]] = ..., prefill: _Optional[_Union[_common_pb2.PrefillProgress, _Mapping]] = ...) -> None: ...
 
+class VerifierStreamRequest(_message.Message):
+    __slots__ = ("request_id", "generate", "cancel", "timeout_s")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    GENERATE_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    request_id: int
+    generate: VerifierGenerateRequest
+    cancel: bool
+    timeout_s: float
+    def __init__(self, request_id: _Optional[int] = ..., generate: _Optional[_Union[VerifierGenerateRequest, _Mapping]] = ..., cancel: _Optional[bool] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class VerifierStreamReply(_message.Message):
+    __slots__ = ("events",)
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    events: _containers.RepeatedCompositeFieldContainer[VerifierStreamEvent]
+    def __init__(self, events: _Optional[_Iterable[_Union[VerifierStreamEvent, _Mapping]]] = ...) -> None: ...
+
+class VerifierStreamEvent(_message.Message):
+    __slots__ = ("request_id", "step", "error")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    request_id: int
+    step: VerifierGenerateStep
+    error: VerifierStreamError
+    def __init__(self, request_id: _Optional[int] = ..., step: _Optional[_Union[VerifierGenerateStep, _Mapping]] = ..., error: _Optional[_Union[VerifierStreamError, _Mapping]] = ...) -> None: ...
+
+class VerifierStreamError(_message.Message):
+    __slots__ = ("code", "message")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+
 class VerifierForkSessionRequest(_message.Message):
     __slots__ = ("session_id",)
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]

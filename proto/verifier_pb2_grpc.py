@@ -44,6 +44,11 @@ class VerifierStub:
                 request_serializer=proto_dot_verifier__pb2.VerifierGenerateRequest.SerializeToString,
                 response_deserializer=proto_dot_verifier__pb2.VerifierGenerateStep.FromString,
                 _registered_method=True)
+        self.GenerateStream = channel.stream_stream(
+                '/ddtree.v1.Verifier/GenerateStream',
+                request_serializer=proto_dot_verifier__pb2.VerifierStreamRequest.SerializeToString,
+                response_deserializer=proto_dot_verifier__pb2.VerifierStreamReply.FromString,
+                _registered_method=True)
         self.ForkSession = channel.unary_unary(
                 '/ddtree.v1.Verifier/ForkSession',
                 request_serializer=proto_dot_verifier__pb2.VerifierForkSessionRequest.SerializeToString,
@@ -85,6 +90,17 @@ class VerifierServicer:
         """Generate on a session, one message per verify step, after the appended tokens' prefill progress
         (VerifierGenerateStep.prefill). Cancelling the call stops generation within one step (or one prefill
         chunk); the session is then kept or released as the request says.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GenerateStream(self, request_iterator, context):
+        """Many Generate calls over one stream (a gateway keeps one per verifier): each request names its
+        generation with a request_id of the caller's choice; each reply carries the events of every generation
+        that has one ready, so a verify step of many sessions is one message, not one per session. A
+        generation ends with its last step (finished) or an error event; a cancel stops it as cancelling a
+        Generate call would; the stream's end cancels every generation still running on it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -137,6 +153,11 @@ def add_VerifierServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=proto_dot_verifier__pb2.VerifierGenerateRequest.FromString,
                     response_serializer=proto_dot_verifier__pb2.VerifierGenerateStep.SerializeToString,
+            ),
+            'GenerateStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.GenerateStream,
+                    request_deserializer=proto_dot_verifier__pb2.VerifierStreamRequest.FromString,
+                    response_serializer=proto_dot_verifier__pb2.VerifierStreamReply.SerializeToString,
             ),
             'ForkSession': grpc.unary_unary_rpc_method_handler(
                     servicer.ForkSession,
@@ -218,6 +239,33 @@ class Verifier:
             '/ddtree.v1.Verifier/Generate',
             proto_dot_verifier__pb2.VerifierGenerateRequest.SerializeToString,
             proto_dot_verifier__pb2.VerifierGenerateStep.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GenerateStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/ddtree.v1.Verifier/GenerateStream',
+            proto_dot_verifier__pb2.VerifierStreamRequest.SerializeToString,
+            proto_dot_verifier__pb2.VerifierStreamReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -33,6 +33,8 @@ from modeling.tiny import byte_level_tokenizer
 from modeling.tokenizer import TextStream, Tokenizer
 from proto import common_pb2, verifier_pb2, verifier_pb2_grpc
 from proto.serving import add_health_and_reflection, mark_serving
+from proto.status import StatusError
+from verifier_service.generation_stream import serve_generations
 
 REPLY = "Hello, world! The END is near; more text follows. "
 REPLY_IDS = list(REPLY.encode())  # the byte-level tokenizer: token id b is byte b
@@ -108,6 +110,12 @@ class FakeVerifier(verifier_pb2_grpc.VerifierServicer):
                                               free_pages=CAPACITY - used, max_context=4096, vocab_size=320,
                                               eos_token_ids=[256], active_sessions=len(self.sessions))
 
+    async def GenerateStream(self, request_iterator, context):
+        def generation(message: verifier_pb2.VerifierStreamRequest):
+            return self.Generate(message.generate, StreamedContext(message.timeout_s))
+        async for reply in serve_generations(request_iterator, generation, ()):
+            yield reply
+
     async def Generate(self, request, context):
         await self._maybe_fail("Generate", context)
         self.deadlines.append(context.time_remaining())
@@ -145,6 +153,25 @@ class FakeVerifier(verifier_pb2_grpc.VerifierServicer):
             self.generating.discard(session_id)
             if not request.keep_session:
                 self.sessions.pop(session_id, None)
+
+
+class _Aborted(StatusError):
+    def __init__(self, code: Code, details: str) -> None:
+        super().__init__(details)
+        self.code = code
+
+
+class StreamedContext:
+    """What FakeVerifier.Generate uses of its context, for a generation of a GenerateStream call."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s or None
+
+    def time_remaining(self) -> float | None:
+        return self.timeout_s
+
+    async def abort(self, code: Code, details: str) -> None:
+        raise _Aborted(code, details)
 
 
 class Stack:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator
 from typing import TypeVar
@@ -14,6 +15,7 @@ from proto.status import maps_status
 from verifier_service.engine.sampling import SamplingParams
 from verifier_service.engine.session import Session
 from verifier_service.engine.stopping import StopReason
+from verifier_service.generation_stream import serve_generations
 from verifier_service.service import PrefillEvent, StepEvent, VerifierService
 
 T = TypeVar("T")
@@ -22,8 +24,8 @@ DEFAULT_MAX_NEW_TOKENS = 256
 
 # NOTE: the verifier's own errors name their status (verifier_service/errors.py); a stray ValueError (a bad
 # tree, a bad field deep in the engine) is the caller's fault, and a stray KeyError an unknown session.
-maps_errors = maps_status(fallbacks=((ValueError, grpc.StatusCode.INVALID_ARGUMENT),
-                                     (KeyError, grpc.StatusCode.NOT_FOUND)))
+FALLBACKS = ((ValueError, grpc.StatusCode.INVALID_ARGUMENT), (KeyError, grpc.StatusCode.NOT_FOUND))
+maps_errors = maps_status(fallbacks=FALLBACKS)
 
 STOP_REASONS = {
     StopReason.LENGTH: common_pb2.STOP_REASON_LENGTH,
@@ -112,11 +114,22 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
 
     @maps_errors
     async def Generate(self, request, context):
+        async for step in run_ahead(self._generation(request)):
+            yield step
+
+    async def GenerateStream(self, request_iterator, context):
+        async for reply in serve_generations(request_iterator, lambda message: self._generation(message.generate),
+                                             FALLBACKS):
+            yield reply
+
+    async def _generation(self, request: verifier_pb2.VerifierGenerateRequest
+                          ) -> AsyncIterator[verifier_pb2.VerifierGenerateStep]:
         params = params_from_pb(request.params)
         events = self.service.generate(request.session_id, list(request.append_token_ids), params,
                                        request.keep_session, request.tree_budget)
-        async for event in run_ahead(events):
-            yield _prefill_pb(event) if isinstance(event, PrefillEvent) else self._step_pb(event)
+        async with contextlib.aclosing(events):
+            async for event in events:
+                yield _prefill_pb(event) if isinstance(event, PrefillEvent) else self._step_pb(event)
 
     def _step_pb(self, event: StepEvent) -> verifier_pb2.VerifierGenerateStep:
         result = event.result

@@ -1,0 +1,140 @@
+"""Many generations over one GenerateStream call: events batched per reply, per-generation errors, cancels,
+deadlines, the stream's end, and back-pressure (verifier_service/generation_stream.py)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+
+from proto import verifier_pb2
+from proto.status import InvalidArgument
+from verifier_service.generation_stream import Outbox, serve_generations
+
+STEPS = 3
+
+
+def start(request_id: int, session: str, timeout_s: float = 0.0) -> verifier_pb2.VerifierStreamRequest:
+    return verifier_pb2.VerifierStreamRequest(
+        request_id=request_id, timeout_s=timeout_s, generate=verifier_pb2.VerifierGenerateRequest(session_id=session))
+
+
+def cancel(request_id: int) -> verifier_pb2.VerifierStreamRequest:
+    return verifier_pb2.VerifierStreamRequest(request_id=request_id, cancel=True)
+
+
+class Generations:
+    """Sessions named "ok*" step in lockstep (one shared clock tick per step); "bad" fails at its second step;
+    "slow" waits forever after its first. Records which generations were cancelled."""
+
+    def __init__(self) -> None:
+        self.tick = asyncio.Event()
+        self.cancelled: list[str] = []
+
+    async def __call__(self, message: verifier_pb2.VerifierStreamRequest):
+        session = message.generate.session_id
+        try:
+            for step in range(STEPS):
+                if session == "bad" and step == 1:
+                    raise InvalidArgument("params.top_p: 2 is not in (0, 1]")
+                if session == "slow" and step == 1:
+                    await asyncio.Event().wait()
+                yield verifier_pb2.VerifierGenerateStep(step=step, token_ids=[step], finished=step == STEPS - 1)
+                await self.tick.wait()
+        except asyncio.CancelledError:
+            self.cancelled.append(session)
+            raise
+
+
+async def feed(queue: asyncio.Queue):
+    while (message := await queue.get()) is not None:
+        yield message
+
+
+async def collect(replies, until) -> list[list[tuple[int, str]]]:
+    """Each reply as (request_id, what) pairs, until `until(replies so far)`."""
+    seen = []
+    async for reply in replies:
+        seen.append([(e.request_id, f"step {e.step.step}" if e.WhichOneof("kind") == "step"
+                      else f"error {e.error.code}: {e.error.message}") for e in reply.events])
+        if until(seen):
+            break
+    return seen
+
+
+def test_the_steps_of_concurrent_generations_share_replies_and_a_failure_stays_with_its_generation() -> None:
+    async def scenario():
+        generations, requests = Generations(), asyncio.Queue()
+        replies = serve_generations(feed(requests), generations, ())
+        for request_id, session in enumerate(("ok1", "ok2", "bad"), start=1):
+            requests.put_nowait(start(request_id, session))
+
+        async def clock():
+            while True:
+                await asyncio.sleep(0.01)
+                generations.tick.set()
+                generations.tick.clear()
+
+        ticking = asyncio.ensure_future(clock())
+        seen = await collect(replies, lambda seen: sum(len(r) for r in seen) == 3 + 3 + 2)
+        ticking.cancel()
+        await replies.aclose()
+        return seen
+
+    seen = asyncio.run(scenario())
+    assert seen[0] == [(1, "step 0"), (2, "step 0"), (3, "step 0")]  # one reply for the first step of all three
+    code = grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert (3, f"error {code}: params.top_p: 2 is not in (0, 1]") in seen[1]
+    events = [event for reply in seen for event in reply]
+    assert [e for e in events if e[0] == 1] == [(1, "step 0"), (1, "step 1"), (1, "step 2")]
+
+
+def test_cancel_deadline_and_the_streams_end_stop_generations() -> None:
+    async def scenario():
+        generations, requests = Generations(), asyncio.Queue()
+        replies = serve_generations(feed(requests), generations, ())
+        requests.put_nowait(start(1, "slow"))
+        requests.put_nowait(start(2, "slow", timeout_s=0.05))
+        requests.put_nowait(start(3, "slow"))
+        seen = await collect(replies, lambda seen: sum(len(r) for r in seen) == 3)
+        requests.put_nowait(cancel(1))
+        seen += await collect(replies, lambda seen: any(e[0] == 2 for r in seen for e in r))
+        cancelled_before_end = list(generations.cancelled)
+        await replies.aclose()  # the gateway went away: generation 3 is cancelled too
+        return seen, cancelled_before_end, generations.cancelled
+
+    seen, before_end, cancelled = asyncio.run(scenario())
+    code = grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
+    assert seen[-1] == [(2, f"error {code}: Deadline Exceeded")]
+    assert before_end == ["slow", "slow"] and cancelled == ["slow"] * 3
+
+
+def test_a_request_id_already_running_is_refused_and_a_half_closed_stream_ends_after_its_generations() -> None:
+    async def scenario():
+        generations, requests = Generations(), asyncio.Queue()
+        generations.tick.set()  # NOTE: no waiting between steps
+        for message in (start(7, "ok"), start(7, "ok"), None):
+            requests.put_nowait(message)
+        return [event for reply in await collect(serve_generations(feed(requests), generations, ()),
+                                                 lambda seen: False) for event in reply]
+
+    events = asyncio.run(scenario())
+    code = grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert (7, f"error {code}: request_id: 7 is already running on this stream") in events
+    assert [e for e in events if e[1].startswith("step")] == [(7, "step 0"), (7, "step 1"), (7, "step 2")]
+
+
+def test_a_generation_waits_while_the_stream_holds_its_limit_of_unsent_events() -> None:
+    async def scenario():
+        outbox = Outbox(limit=2)
+        event = verifier_pb2.VerifierStreamEvent(request_id=1)
+        await outbox.put(event)
+        await outbox.put(event)
+        third = asyncio.ensure_future(outbox.put(event))
+        await asyncio.sleep(0.01)
+        held = not third.done()
+        taken = await outbox.take()
+        await asyncio.wait_for(third, 1.0)
+        return held, len(taken), len(outbox.events)
+
+    assert asyncio.run(scenario()) == (True, 2, 1)

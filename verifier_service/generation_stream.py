@@ -1,0 +1,129 @@
+"""Many generations over one gRPC stream (Verifier.GenerateStream): a gateway keeps one such stream per verifier,
+and each reply carries the events of every generation that has one ready. A verify step of 64 sessions then costs
+one stream message, where 64 Generate calls cost 64 (each some tens of microseconds of the event loop, which the
+engine's step waits on).
+
+Each generation runs as a task of its own and puts its events into the stream's Outbox; the writer sends whatever
+the outbox holds each time it comes round. A generation that fails ends with an error event carrying its status,
+the other generations carry on. A cancel request, or the end of the stream, cancels generations as cancelling
+their Generate calls would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+from collections.abc import AsyncIterator, Callable
+
+import grpc
+
+from proto import verifier_pb2
+from proto.status import Fallbacks, reported_status
+
+# one generation's messages, as a Generate call of the stream request's `generate` would send them
+Generation = Callable[[verifier_pb2.VerifierStreamRequest], AsyncIterator[verifier_pb2.VerifierGenerateStep]]
+
+# NOTE: events a generation may run ahead of the stream's writes, as RUN_AHEAD_STEPS for a Generate call
+RUN_AHEAD_EVENTS = 16
+
+
+class Outbox:
+    """The events not yet sent. A generation with `limit` events unsent waits for the writer before adding more,
+    so a stalled reader holds the producers instead of letting events pile up."""
+
+    def __init__(self, limit: int = RUN_AHEAD_EVENTS):
+        self.limit = limit
+        self.events: list[verifier_pb2.VerifierStreamEvent] = []
+        self.ready = asyncio.Event()
+        self.unsent: collections.Counter[int] = collections.Counter()
+        self.room: dict[int, asyncio.Event] = {}
+
+    async def put(self, event: verifier_pb2.VerifierStreamEvent) -> None:
+        request_id = event.request_id
+        while self.unsent[request_id] >= self.limit:
+            room = self.room.setdefault(request_id, asyncio.Event())
+            room.clear()
+            await room.wait()
+        self.put_nowait(event)
+
+    def put_nowait(self, event: verifier_pb2.VerifierStreamEvent) -> None:
+        self.events.append(event)
+        self.unsent[event.request_id] += 1
+        self.ready.set()
+
+    def wake(self) -> None:
+        self.ready.set()
+
+    async def take(self) -> list[verifier_pb2.VerifierStreamEvent]:
+        """Every event queued so far; waits for one, or for `wake` (then it may return none)."""
+        if not self.events:
+            self.ready.clear()
+            await self.ready.wait()
+        events, self.events = self.events, []
+        self.unsent.subtract(event.request_id for event in events)
+        for request_id in [r for r, count in self.unsent.items() if count <= 0]:
+            del self.unsent[request_id]
+        for request_id in [r for r in self.room if self.unsent[r] < self.limit]:
+            self.room.pop(request_id).set()
+        return events
+
+
+def error_event(request_id: int, code: grpc.StatusCode, message: str) -> verifier_pb2.VerifierStreamEvent:
+    return verifier_pb2.VerifierStreamEvent(
+        request_id=request_id, error=verifier_pb2.VerifierStreamError(code=code.value[0], message=message))
+
+
+async def serve_generations(requests: AsyncIterator[verifier_pb2.VerifierStreamRequest], generate: Generation,
+                            fallbacks: Fallbacks) -> AsyncIterator[verifier_pb2.VerifierStreamReply]:
+    """The replies of one GenerateStream call; `generate` runs one generation (a Generate call's messages)."""
+
+    outbox, running, expired = Outbox(), {}, set()
+
+    async def run(request_id: int, request: verifier_pb2.VerifierStreamRequest) -> None:
+        try:
+            async for step in generate(request):
+                await outbox.put(verifier_pb2.VerifierStreamEvent(request_id=request_id, step=step))
+        except asyncio.CancelledError:
+            if request_id not in expired:
+                raise
+            outbox.put_nowait(error_event(request_id, grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"))
+        except Exception as error:  # noqa: BLE001 - the generation's status, sent as its last event
+            outbox.put_nowait(error_event(request_id, *reported_status(error, fallbacks, "GenerateStream")))
+        finally:
+            expired.discard(request_id)
+            running.pop(request_id, None)
+            outbox.wake()  # NOTE: the writer may be waiting for the last generation to end
+
+    def expire(request_id: int, task: asyncio.Task) -> None:
+        if running.get(request_id) is task:
+            expired.add(request_id)
+            task.cancel()
+
+    async def read() -> None:
+        async for message in requests:
+            kind = message.WhichOneof("kind")
+            if kind == "generate" and message.request_id not in running:
+                task = running[message.request_id] = asyncio.create_task(run(message.request_id, message))
+                if message.timeout_s > 0:
+                    asyncio.get_running_loop().call_later(message.timeout_s, expire, message.request_id, task)
+            elif kind == "generate":
+                outbox.put_nowait(error_event(message.request_id, grpc.StatusCode.INVALID_ARGUMENT,
+                                              f"request_id: {message.request_id} is already running on this stream"))
+            elif kind == "cancel" and message.request_id in running:
+                running[message.request_id].cancel()
+
+    reader = asyncio.create_task(read())
+    reader.add_done_callback(lambda _: outbox.wake())
+    try:
+        while not (reader.done() and not running and not outbox.events):  # NOTE: the caller half-closed
+            events = await outbox.take()
+            if events:
+                yield verifier_pb2.VerifierStreamReply(events=events)
+        reader.result()  # NOTE: a broken request stream raises here
+    finally:
+        tasks = [reader, *running.values()]
+        for task in tasks:
+            task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.gather(*tasks, return_exceptions=True)
