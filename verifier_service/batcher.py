@@ -30,10 +30,10 @@ class _Pending:
 
 class StepBatcher:
     def __init__(self, engine: Engine, worker: EngineWorker, stepping: Callable[[], int],
-                 observe: Callable[[list[Step], list[StepResult], float], None] = lambda steps, results, seconds: None,
+                 observe: Callable[[list[Step], float], None] = lambda steps, seconds: None,
                  batch_wait_s: float = 0.005):
         """stepping: how many sessions are in their step loops (in a step, between steps, or queued here); observe:
-        told each batch's steps, results and wall time; batch_wait_s: how long a step waits for the stepping
+        told each batch's steps and wall time; batch_wait_s: how long a step waits for the stepping
         sessions not queued yet."""
         self.engine, self.worker, self.stepping, self.observe = engine, worker, stepping, observe
         self.batch_wait_s = batch_wait_s
@@ -134,7 +134,7 @@ class StepBatcher:
                 results = await call(self.engine.step, steps)
             finally:
                 self.running = []
-            self.observe(steps, results, time.perf_counter() - started)
+            self.observe(steps, time.perf_counter() - started)
         except Exception as error:  # noqa: BLE001 - handed to the waiting caller
             if len(batch) == 1:
                 if not batch[0].future.done():

@@ -95,11 +95,10 @@ class VerifierService:
         if drafters is not None:
             drafters.on_info = self._use_drafter_features
 
-    def _observe_batch(self, steps: list[Step], results: list[StepResult], seconds: float) -> None:
+    def _observe_batch(self, steps: list[Step], seconds: float) -> None:
         self.metrics.batch_sessions.observe(len(steps))
         self.metrics.batch_seconds.observe(seconds)
-        shape = BatchShape(len(steps), sum(len(tree) + 1 for _, tree in steps),
-                           sum(result.acceptance_length for result in results))
+        shape = BatchShape(len(steps), sum(len(tree) + 1 for _, tree in steps))
         sessions = [self.engine.sessions.get(session_id) for session_id, _ in steps]
         context = sum(session.kv_len for session in sessions if session) // len(steps)
         self.step_costs.observe_batch(shape, context, seconds)

@@ -2,8 +2,8 @@
 of a step").
 
 The adaptive policy picks, each step, the candidate budget b in {0, 1, 3, 7, ..., max} with the most expected
-committed tokens per second of the batch it joins:
-(E[tokens(b)] + the other sessions' tokens) / (t_draft(b) + t_verify(the other sessions' rows + b + 1)):
+committed tokens per second of a batch of N sessions like it (N: the last batch's sessions),
+E[tokens(b)] / (t_draft(b) + t_verify(N x (b + 1) rows)):
 
 - E[tokens(b)] comes from the session's own steps. Both drafters build best-first trees: the tree of budget b is
   the first b nodes of the tree of any budget B >= b (DDTree pops nodes from a heap in a total order, the n-gram
@@ -12,7 +12,7 @@ committed tokens per second of the batch it joins:
   longest prefix of p whose nodes are all below b: one verify tells every smaller budget's outcome (exactly when
   greedy; when sampling, the same draws per node make it an unbiased estimate).
 - The seconds come from CostModels shared by the service's sessions, learnt from measured step times; a verify
-  costs what the whole batch costs, so each session weighs its tree against every session's time in the batch.
+  is keyed by the whole batch's rows, so a session in a batch of N weighs its tree as N such trees.
 """
 
 from __future__ import annotations
@@ -92,18 +92,26 @@ class CostModel:
         self.rows: dict[int, dict[int, DecayedMean]] = {}  # context bucket -> size bucket -> seconds
 
     def prior(self, size: float) -> float:
-        return self.prior_s * (1 + self.slope * bucket(size))
+        return self.prior_s * self._shape(size)
+
+    def _shape(self, size: float) -> float:
+        return 1 + self.slope * size
 
     def observe(self, size: float, context: int, seconds: float) -> None:
         self.rows.setdefault(bucket(context), {}).setdefault(bucket(size), DecayedMean(self.decay)).add(seconds)
 
     def estimate(self, size: float, context: int) -> float:
+        """Seconds at `size`: its bucket's estimate, scaled within the bucket along the prior's shape (two sizes
+        of one bucket, 65 and 127 rows say, must not look equally costly)."""
+        key = bucket(size)
+        return self._bucket_estimate(key, context) * self._shape(size) / self._shape(key)
+
+    def _bucket_estimate(self, key: int, context: int) -> float:
         if not self.rows:
-            return self.prior(size)
+            return self.prior(key)
         near = bucket(context).bit_length()
         nearest = self.rows[min(self.rows, key=lambda c: (abs(c.bit_length() - near), c))]
         row = {k: mean.value for k, mean in nearest.items()}
-        key = bucket(size)
         if key in row:
             return row[key]
         lower = max((k for k in row if k < key), default=None)
@@ -115,25 +123,24 @@ class CostModel:
 
 
 class BatchShape(NamedTuple):
-    """One verify step of the batcher: its sessions, rows (roots included) and tokens produced."""
+    """One verify step of the batcher: its sessions and rows (tree nodes and roots)."""
 
     sessions: int
     rows: int
-    tokens: int
 
 
 @dataclass
 class StepCosts:
     """The service's cost models, and the shape of the last verify step. The verify model is keyed by the rows of
-    the whole batch: in a batch of many sessions one session's tree is paid for by every session in it, so a
-    session must not see its own rows as nearly free because the batch costs the same either way. The priors only
-    order the budgets until the first steps are measured: a verify that costs twice as much at 64 rows as at 1
+    the whole batch: in a batch of many sessions a verify of T rows each costs what N x T rows cost, which a model
+    keyed by one session's rows cannot tell (the batch costs about the same whatever one session adds). The priors
+    only order the budgets until the first steps are measured: a verify that costs twice as much at 64 rows as at 1
     (benchmarks/results/e2e_step.md: 9.7 ms at 16 rows, 17.5 ms at 64, at 128k), a draft that costs about the
     same at any budget (one drafter forward)."""
 
     verify: CostModel = field(default_factory=lambda: CostModel(prior_s=0.010, slope=1 / 64))
     draft: CostModel = field(default_factory=lambda: CostModel(prior_s=0.002, slope=0.0))
-    batch: BatchShape = BatchShape(1, 1, 1)
+    batch: BatchShape = BatchShape(1, 1)
 
     def observe_batch(self, batch: BatchShape, context: int, seconds: float) -> None:
         """A verify step of the batcher took `seconds`; `context`: its sessions' mean KV length."""
@@ -145,15 +152,11 @@ class StepCosts:
         not waited on again)."""
         self.draft.observe(budget, context, seconds)
 
-    def others(self, own: BatchShape) -> BatchShape:
-        """The rest of the last batch, without a session whose own last step was `own`."""
-        return BatchShape(max(0, self.batch.sessions - own.sessions), max(0, self.batch.rows - own.rows),
-                          max(0, self.batch.tokens - own.tokens))
-
-    def seconds(self, budget: int, nodes: float, context: int, others: BatchShape) -> float:
-        """A step in which this session's tree has `nodes` nodes (budget 0: no draft at all), beside `others`."""
+    def seconds(self, budget: int, nodes: float, context: int, besides: float) -> float:
+        """A step in which this session's tree has `nodes` nodes (budget 0: no draft at all) and the other
+        sessions of the batch verify `besides` rows."""
         draft = self.draft.estimate(budget, context) if budget else 0.0
-        return draft + self.verify.estimate(others.rows + nodes + 1, context)
+        return draft + self.verify.estimate(besides + nodes + 1, context)
 
 
 class BudgetPolicy(Protocol):
@@ -176,8 +179,9 @@ class FixedBudget:
 
 
 class AdaptiveBudget:
-    """One generation's budgets: each step the candidate with the most expected tokens per second of the batch it
-    joins (its own expected tokens plus the rest of the last batch's, over the step time with its tree).
+    """One generation's budgets: each step the candidate with the most expected tokens per second of a batch of
+    sessions like it, as many as the last batch had (a session in a batch of 64 weighs its tree of b nodes as 64
+    trees of b nodes would cost; its draft overlaps the others').
 
     Budgets above the last one verified are known only from below, so the first drafted step verifies the maximum,
     and later steps do again as often as keeps those explorations under `explore_share` of the batch's time, and
@@ -197,36 +201,40 @@ class AdaptiveBudget:
         self.nodes: dict[int, DecayedMean] = {}  # budget > 0 -> its tree's nodes
         self.since_max = 0  # steps since the last one at the maximum, that one included
         self.step_up: int | None = None  # the next step's budget after a path that ran into the edge
-        self.last = BatchShape(1, 1, 1)  # this session's share of its last step
+        self.last_rows = 1  # this session's rows in its last step
 
     def choose(self, context: int) -> int:
         if self.max_budget not in self.accepted:
             return self.max_budget
-        others = self.costs.others(self.last)
-        best = max((0, *self.accepted), key=lambda b: (self.tokens_per_s(b, context, others), -b))
-        if self.since_max >= self._exploration_interval(best, context, others):
+        best = max((0, *self.accepted), key=lambda b: (self.tokens_per_s(b, context), -b))
+        if self.since_max >= self._exploration_interval(best, context):
             return self.max_budget
         return self.step_up if self.step_up is not None else best
 
-    def _seconds(self, budget: int, context: int, others: BatchShape) -> float:
-        return self.costs.seconds(budget, self.nodes[budget].value if budget else 0, context, others)
+    def _nodes(self, budget: int) -> float:
+        return self.nodes[budget].value if budget else 0.0
 
-    def tokens_per_s(self, budget: int, context: int, others: BatchShape) -> float:
-        """The batch's expected tokens per second with this session at `budget`."""
-        tokens = others.tokens + 1 + (self.accepted[budget].value if budget else 0)
-        return tokens / self._seconds(budget, context, others)
+    def tokens_per_s(self, budget: int, context: int) -> float:
+        """Expected tokens per second of a batch of sessions like this one (the last batch's size) at `budget`:
+        each session's trees are paid for by the whole batch, and its drafts overlap the others' drafts."""
+        sessions = self.costs.batch.sessions
+        besides = (sessions - 1) * (self._nodes(budget) + 1)
+        tokens = 1 + (self.accepted[budget].value if budget else 0)
+        return tokens / self.costs.seconds(budget, self._nodes(budget), context, besides)
 
-    def _exploration_interval(self, best: int, context: int, others: BatchShape) -> float:
+    def _exploration_interval(self, best: int, context: int) -> float:
         """Steps from one exploration to the next that spend `explore_share` of the batch's time on the
-        explorations of all its sessions."""
-        extra = self._seconds(self.max_budget, context, others) - self._seconds(best, context, others)
-        sessions = others.sessions + 1
-        return min(self.explore_every, sessions * extra / (self.explore_share * self._seconds(best, context, others)))
+        explorations of all its sessions (each one adds its tree's rows to the batch as it stands)."""
+        sessions, besides = self.costs.batch.sessions, max(0, self.costs.batch.rows - self.last_rows)
+        extra = (self.costs.seconds(self.max_budget, self._nodes(self.max_budget), context, besides)
+                 - self.costs.seconds(best, self._nodes(best), context, besides))
+        step = self.costs.seconds(best, self._nodes(best), context, besides)
+        return min(self.explore_every, sessions * extra / (self.explore_share * step))
 
     def observe(self, budget: int, tree: DraftTree | None, accepted: list[int]) -> None:
         self.since_max += 1
         self.step_up = None
-        self.last = BatchShape(1, (len(tree) if tree else 0) + 1, len(accepted) + 1)
+        self.last_rows = (len(tree) if tree else 0) + 1
         if tree is None or budget == 0:
             return
         if budget == self.max_budget:
