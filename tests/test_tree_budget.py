@@ -127,6 +127,8 @@ def test_cost_model_prior_measurements_interpolation_and_nearest_context() -> No
     assert model.estimate(64, 100_000) == model.estimate(64, 1000)
     model.observe(64, 1000, 0.010)
     assert model.estimate(32, 1000) == pytest.approx(0.004 + 0.006 * 16 / 48)  # between the measured sizes
+    assert model.estimate(256, 1000) == pytest.approx(0.010 + 0.006 * 192 / 48)  # on along their line
+    assert model.estimate(4, 1000) == pytest.approx(0.004)  # no cheaper than the smallest measured size
     model.observe(16, 1000, 0.008)
     decayed = (0.5 * 0.004 + 0.008) / (0.5 + 1)  # the older time weighs half the newer one
     assert model.estimate(16, 1000) == pytest.approx(decayed)

@@ -118,6 +118,11 @@ class CostModel:
         upper = min((k for k in row if k > key), default=None)
         if lower is not None and upper is not None:
             return row[lower] + (row[upper] - row[lower]) * (key - lower) / (upper - lower)
+        side = sorted(k for k in row if k < key)[-2:] if upper is None else sorted(k for k in row if k > key)[:2]
+        if len(side) == 2:  # NOTE: along the line through the two nearest measured sizes (a step is affine in rows)
+            near_size, far_size = (side[1], side[0]) if upper is None else side
+            slope = (row[far_size] - row[near_size]) / (far_size - near_size)
+            return max(row[near_size] + slope * (key - near_size), min(row[k] for k in side))
         known = lower if lower is not None else upper
         return row[known] * self.prior(key) / self.prior(known)
 
