@@ -196,6 +196,36 @@ def test_a_step_waits_briefly_for_the_stepping_sessions_still_drafting(tiny_targ
     assert batches == [["a", "b"], ["a"], ["b"]]
 
 
+def test_steps_that_trickle_in_share_one_step_while_waiting_costs_less_than_a_step(tiny_target) -> None:
+    """Six sessions queue 40 ms apart (a drafter serving them in turn), the gap allowed is 80 ms: all share one
+    step when the last step took 0.5 s, and only those within 80 ms of the first when it took no time."""
+    engine = make_engine(tiny_target)
+    batches = []
+    engine.step = lambda work: batches.append(len(work)) or [None] * len(work)
+
+    async def after(delay_s: float, batcher: StepBatcher, session_id: str) -> None:
+        await asyncio.sleep(delay_s)
+        await batcher.submit(session_id, DraftTree.empty())
+
+    async def trickle(batcher: StepBatcher) -> None:
+        await asyncio.gather(*(after(0.04 * i, batcher, f"s{i}") for i in range(6)))
+
+    async def main(last_step_s: float) -> None:
+        worker = EngineWorker()
+        batcher = StepBatcher(engine, worker, lambda: 6, batch_wait_s=0.08)
+        batcher.last_step_s = last_step_s
+        batcher.start()
+        await trickle(batcher)
+        await batcher.stop()
+        worker.shutdown()
+
+    asyncio.run(main(0.5))
+    assert batches == [6]
+    batches.clear()
+    asyncio.run(main(0.0))
+    assert len(batches) > 1 and batches[0] < 6
+
+
 def test_a_drafter_that_reads_features_gets_its_graphs_captured_before_the_first_step(tiny_target) -> None:
     """Start-up captures graphs that return no features (no replica answered); the drafter's layers arrive
     later and get theirs."""

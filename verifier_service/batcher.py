@@ -1,9 +1,11 @@
-"""Batches the verify steps of concurrent sessions into one forward. Before a step it waits (at most
-`batch_wait_s`) for every stepping session to queue: one that is still streaming its last step or drafting its next
-tree joins this step instead of starting the next one, so sessions step together rather than drifting into
-half-full batches that each read all the weights. A step takes at most the engine's max_batch_tokens rows and
-max_batch_sessions sessions, the longest-waiting first; the rest wait for the next step, so an overload raises
-latency instead of failing steps."""
+"""Batches the verify steps of concurrent sessions into one forward. Before a step it waits for every stepping
+session to queue: one that is still streaming its last step or drafting its next tree joins this step instead of
+starting the next one, so sessions step together rather than drifting into half-full batches that each read all
+the weights. The wait lasts `batch_wait_s`, longer while steps keep arriving within `batch_wait_s` of each other,
+but never longer than the last step took: drafts of many sessions trickle in one by one (a drafter serves them
+in turn), and waiting for the last of them pays while it costs less than another step. A step takes at most the
+engine's max_batch_tokens rows and max_batch_sessions sessions, the longest-waiting first; the rest wait for the
+next step, so an overload raises latency instead of failing steps."""
 
 from __future__ import annotations
 
@@ -40,6 +42,8 @@ class StepBatcher:
         self.queue: list[_Pending] = []
         self.queued_rows = 0
         self.running: list[_Pending] = []  # the batch in the engine
+        self.last_arrival = 0.0  # loop time of the latest submit
+        self.last_step_s = 0.0  # wall time of the latest step
         self.down_reason: str | None = None
         self.wakeup = asyncio.Event()
         self.task: asyncio.Task | None = None
@@ -67,6 +71,7 @@ class StepBatcher:
         pending = _Pending(session_id, tree, asyncio.get_running_loop().create_future())
         self.queue.append(pending)
         self.queued_rows += len(tree) + 1
+        self.last_arrival = asyncio.get_running_loop().time()
         if len(self.queue) == 1 or self._gathered():  # NOTE: the first step starts a gather, the last ends it
             self.wakeup.set()
         try:
@@ -91,10 +96,17 @@ class StepBatcher:
                 await self._step(self._take())
 
     async def _gather(self) -> None:
-        """Wait until every stepping session is queued or the queue fills a batch, for at most `batch_wait_s`."""
+        """Wait until every stepping session is queued or the queue fills a batch, while steps keep arriving
+        (within `batch_wait_s` of each other), for at most the last step's time (at least `batch_wait_s`)."""
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.batch_wait_s
-        while self.queue and not self._gathered() and (left := deadline - loop.time()) > 0:
+        start = loop.time()
+        cap = start + max(self.batch_wait_s, self.last_step_s)
+        while self.queue and not self._gathered():
+            # NOTE: from the gather's start too: steps queued during the last step must not leave at once, or the
+            # sessions of that step (about to queue again) would form a second batch of their own, every step
+            left = min(cap, max(start, self.last_arrival) + self.batch_wait_s) - loop.time()
+            if left <= 0:
+                return
             self.wakeup.clear()
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self.wakeup.wait(), left)
@@ -134,7 +146,8 @@ class StepBatcher:
                 results = await call(self.engine.step, steps)
             finally:
                 self.running = []
-            self.observe(steps, time.perf_counter() - started)
+            self.last_step_s = time.perf_counter() - started
+            self.observe(steps, self.last_step_s)
         except Exception as error:  # noqa: BLE001 - handed to the waiting caller
             if len(batch) == 1:
                 if not batch[0].future.done():

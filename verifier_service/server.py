@@ -55,8 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-batch-sessions", type=int, default=256,
                         help="sessions in one verify step; more wait for the next")
     parser.add_argument("--batch-wait-ms", type=float, default=5.0,
-                        help="how long a verify step waits for generating sessions still drafting or streaming their "
-                             "last step, so that they share it instead of starting the next one")
+                        help="a verify step waits for generating sessions still drafting or streaming their last "
+                             "step, so that they share it, until none has arrived for this long (at most as long as "
+                             "the last step took)")
     parser.add_argument("--gil-switch-interval-ms", type=float, default=0.5,
                         help="Python's thread switch interval (sys.setswitchinterval; Python's default is 5): the "
                              "engine thread lets go of the GIL at every torch call and waits up to this long to take "
