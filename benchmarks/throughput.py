@@ -93,6 +93,25 @@ def histogram_means(before: dict[str, tuple[float, float]], after: dict[str, tup
             for name in HISTOGRAMS}
 
 
+def budget_counts(metrics_url: str) -> dict[str, float]:
+    """The verifier's cumulative count of steps per tree-budget bucket ('le' -> steps at or below it)."""
+    text = urllib.request.urlopen(metrics_url, timeout=5).read().decode()
+    return {le: float(count) for le, count in
+            re.findall(r'^ddtree_verifier_tree_budget_bucket\{le="([^"]+)"\} (\S+)$', text, re.M)}
+
+
+def budget_shares(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """The share of a run's steps per chosen budget bucket (exact budgets 0, 1, 3, ..., 2^k - 1)."""
+    cumulative = [(le, after[le] - before.get(le, 0.0)) for le in after]
+    total = cumulative[-1][1] if cumulative else 0.0
+    shares, below = {}, 0.0
+    for le, count in cumulative:
+        if le != "+Inf" and count > below:
+            shares[str(int(float(le)))] = (count - below) / total
+        below = count
+    return shares
+
+
 def measure(target: str, drafter: str, device: str, verifier_args: tuple[str, ...], concurrency: list[int],
             context_chars: int, max_new_tokens: int, pins: dict[str, int]) -> dict[tuple[int, str], dict]:
     """One run per (concurrency, choice) on one stack; a choice pins the requests' tree budget (0: the verifier's
@@ -107,10 +126,11 @@ def measure(target: str, drafter: str, device: str, verifier_args: tuple[str, ..
         asyncio.run(run_sessions(stack.addresses["gateway"], prompts(1, 256), 8))  # warm-up (kernels, caches)
         for c in concurrency:
             for choice, pin in pins.items():
-                before = histogram_totals(metrics_url)
+                before, budgets_before = histogram_totals(metrics_url), budget_counts(metrics_url)
                 run = asyncio.run(run_sessions(stack.addresses["gateway"], prompts(c, context_chars), max_new_tokens,
                                                pin))
-                runs[c, choice] = {**run, **histogram_means(before, histogram_totals(metrics_url))}
+                runs[c, choice] = {**run, **histogram_means(before, histogram_totals(metrics_url)),
+                                   "budget_shares": budget_shares(budgets_before, budget_counts(metrics_url))}
     return runs
 
 
@@ -162,6 +182,7 @@ def main() -> None:
         if args.device == "cpu":  # NOTE: fp32: the two paths must agree token for token
             assert all(same), f"speculative output (tree budget {choice}) differs from plain decoding"
         rows.append({"concurrency": c, "tree_budget": choice, "mean_tree_budget": spec["mean_tree_budget"],
+                     "budget_shares": spec["budget_shares"],
                      "speculative_tokens_per_s": spec["tokens_per_s"],
                      "plain_tokens_per_s": plain["tokens_per_s"],
                      "speedup": spec["tokens_per_s"] / plain["tokens_per_s"],
@@ -211,6 +232,12 @@ def main() -> None:
             "wall time in the engine, host work included; prefill chunks not counted). "
             "On the CPU (fp32) the outputs are asserted equal. In bf16 the verify step (prefix partials merged with "
             "the tree block) and a plain step round differently, so near-tied argmaxes can flip (counted here).")
+    chosen = [f"- {r['concurrency']} sessions: " + ", ".join(f"{budget}: {share:.0%}" for budget, share in
+                                                         r["budget_shares"].items())
+              for r in rows if r["tree_budget"] == "adaptive"]
+    if chosen:
+        note += ("\n\nBudgets the adaptive runs chose (share of steps after each generation's first):\n"
+                 + "\n".join(chosen))
     (args.out_dir / "throughput.md").write_text("\n".join(lines) + "\n\n" + note + "\n")
     print("\n".join(lines))
 

@@ -382,4 +382,8 @@ def test_the_throughput_benchmark_runs_one_point_per_budget(tmp_path) -> None:
         assert 0 < row["speculative_itl_ms"][0] <= row["speculative_itl_ms"][1]
         assert 0 < row["plain_itl_ms"][0] <= row["plain_itl_ms"][1] and row["plain_floor_tokens_per_s"] > 0
         assert all(1 <= sessions <= 2 for sessions in row["batch_sessions"]) and min(row["batch_ms"]) > 0
-    assert "| 2 | adaptive |" in (tmp_path / "throughput.md").read_text()
+    assert rows[0]["budget_shares"] == {"3": 1.0}  # every step after the first drafted 3 nodes
+    shares = rows[1]["budget_shares"]
+    assert set(shares) <= {"0", "1", "3"} and sum(shares.values()) == pytest.approx(1.0)
+    report = (tmp_path / "throughput.md").read_text()
+    assert "| 2 | adaptive |" in report and "- 2 sessions: " in report
