@@ -24,7 +24,9 @@ from proto.status import Fallbacks, reported_status
 # one generation's messages, as a Generate call of the stream request's `generate` would send them
 Generation = Callable[[verifier_pb2.VerifierStreamRequest], AsyncIterator[verifier_pb2.VerifierGenerateStep]]
 
-# NOTE: events a generation may run ahead of the stream's writes, as RUN_AHEAD_STEPS for a Generate call
+# NOTE: events a generation may run ahead of its stream's writes (a Generate call's too): a reader that stalls holds
+# the producer here instead of letting finished steps (and their features) pile up. Roomy: a write that lags a step
+# or two behind (the gateway's loop was busy) must not stall the drafting of the next steps.
 RUN_AHEAD_EVENTS = 16
 
 

@@ -15,7 +15,7 @@ from proto.status import maps_status
 from verifier_service.engine.sampling import SamplingParams
 from verifier_service.engine.session import Session
 from verifier_service.engine.stopping import StopReason
-from verifier_service.generation_stream import serve_generations
+from verifier_service.generation_stream import RUN_AHEAD_EVENTS, serve_generations
 from verifier_service.service import PrefillEvent, StepEvent, VerifierService
 
 T = TypeVar("T")
@@ -34,11 +34,6 @@ STOP_REASONS = {
     StopReason.CONTEXT_LIMIT: common_pb2.STOP_REASON_CONTEXT_LIMIT,
 }
 
-# NOTE: steps a generation may run ahead of its stream's writes; a reader that stalls holds the producer
-# here instead of letting finished steps (and their features) pile up. Roomy: a write that lags a step or
-# two behind (the gateway's loop was busy) must not stall the drafting of the next steps.
-RUN_AHEAD_STEPS = 16
-
 
 def params_from_pb(params: common_pb2.SamplingParams) -> SamplingParams:
     return SamplingParams(
@@ -53,7 +48,7 @@ def params_from_pb(params: common_pb2.SamplingParams) -> SamplingParams:
     )
 
 
-async def run_ahead(events: AsyncIterator[T], limit: int = RUN_AHEAD_STEPS) -> AsyncIterator[T]:
+async def run_ahead(events: AsyncIterator[T], limit: int = RUN_AHEAD_EVENTS) -> AsyncIterator[T]:
     """The events of `events`, produced by a task of their own: the next step starts while the stream still
     writes this one (a write waits for the transport, and that wait would otherwise sit inside every step), at most
     `limit` events ahead. Closing this iterator cancels the producer and waits for it, so its cleanup has run
