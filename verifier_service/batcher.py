@@ -35,12 +35,12 @@ class StepBatcher:
                  observe: Callable[[list[Step], float], None] = lambda steps, seconds: None,
                  batch_wait_s: float = 0.005):
         """stepping: how many sessions are in their step loops (in a step, between steps, or queued here); observe:
-        told each batch's steps and wall time; batch_wait_s: how long a step waits for the stepping
-        sessions not queued yet."""
+        told each batch's steps and wall time; batch_wait_s: the gap between arriving steps that ends a step's wait
+        for the stepping sessions not queued yet (see the module's docstring)."""
         self.engine, self.worker, self.stepping, self.observe = engine, worker, stepping, observe
         self.batch_wait_s = batch_wait_s
         self.queue: list[_Pending] = []
-        self.queued_rows = 0
+        self.queued_rows = 0  # NOTE: kept, not summed: every submit asks whether the queue holds a batch
         self.running: list[_Pending] = []  # the batch in the engine
         self.last_arrival = 0.0  # loop time of the latest submit
         self.last_step_s = 0.0  # wall time of the latest step
