@@ -26,10 +26,12 @@ from verifier_service.errors import EngineDown, SessionBusy
 from verifier_service.leases import SessionLeases
 from verifier_service.metrics import VerifierMetrics
 from verifier_service.tree_budget import (
+    SHARED_DECAY,
     AdaptiveBudget,
     BatchShape,
     BudgetPolicy,
     BudgetPolicyName,
+    Outcomes,
     StepCosts,
     session_policy,
 )
@@ -80,6 +82,7 @@ class VerifierService:
         self.engine, self.drafters, self.metrics, self.tree_budget = engine, drafters, metrics, tree_budget
         self.budget_policy = budget_policy
         self.step_costs = StepCosts()  # NOTE: shared: every session's steps measure the same engine
+        self.budget_outcomes = Outcomes(SHARED_DECAY)  # what the adaptive sessions' trees accepted, for new ones
         self.policies: dict[str, AdaptiveBudget] = {}  # adaptive sessions' policies, across their generations
         self.worker = EngineWorker(inline_steps)
         self.generating: set[str] = set()
@@ -218,7 +221,7 @@ class VerifierService:
     def _budgets(self, session_id: str, pinned: int) -> BudgetPolicy:
         """The generation's budget policy. A session's adaptive policy outlives its generations: the next turn
         starts from what the last one learnt of the session's acceptance, not from exploring again."""
-        policy = session_policy(self.budget_policy, self.tree_budget, pinned, self.step_costs)
+        policy = session_policy(self.budget_policy, self.tree_budget, pinned, self.step_costs, self.budget_outcomes)
         return self.policies.setdefault(session_id, policy) if isinstance(policy, AdaptiveBudget) else policy
 
     async def release_session(self, session_id: str) -> int:

@@ -26,6 +26,11 @@ from verifier_service.errors import InvalidArgument
 
 BudgetPolicyName = Literal["fixed", "adaptive"]
 BUDGET_POLICIES: tuple[BudgetPolicyName, ...] = ("fixed", "adaptive")
+SHARED_DECAY = 0.99  # what the service's sessions' trees accepted: about their last hundred steps
+# NOTE: a record out of date drifts to at least this share of its tree accepted: sessions that start together all
+# fail their first drafts (the model does not repeat itself yet), and the shared record alone would then keep them
+# from drafting when their texts turn predictable (benchmarks/results/budget_simulation.md)
+HOPE_SHARE = 0.2
 
 
 def bucket(n: float) -> int:
@@ -101,10 +106,15 @@ class CostModel:
         self.rows.setdefault(bucket(context), {}).setdefault(bucket(size), DecayedMean(self.decay)).add(seconds)
 
     def estimate(self, size: float, context: int) -> float:
-        """Seconds at `size`: its bucket's estimate, scaled within the bucket along the prior's shape (two sizes
-        of one bucket, 65 and 127 rows say, must not look equally costly)."""
+        """Seconds at `size`: on the line between the estimates of its bucket and the one below, each taken at its
+        bucket's top (two sizes of one bucket, 65 and 127 rows say, must not look equally costly, and a size just
+        past a bucket's top must not look cheaper than the top)."""
         key = bucket(size)
-        return self._bucket_estimate(key, context) * self._shape(size) / self._shape(key)
+        upper = self._bucket_estimate(key, context)
+        if key == 1:
+            return upper
+        lower = self._bucket_estimate(key // 2, context)
+        return lower + (upper - lower) * (size - key // 2) / (key // 2)
 
     def _bucket_estimate(self, key: int, context: int) -> float:
         if not self.rows:
@@ -183,60 +193,98 @@ class FixedBudget:
         pass
 
 
+class Outcomes:
+    """Per candidate budget, decayed means of the nodes its tree would have accepted and of the nodes it had."""
+
+    def __init__(self, decay: float):
+        self.decay = decay
+        self.accepted: dict[int, DecayedMean] = {}
+        self.nodes: dict[int, DecayedMean] = {}
+
+    def __contains__(self, budget: int) -> bool:
+        return budget in self.accepted
+
+    def add(self, budget: int, accepted: int, nodes: int) -> None:
+        self.accepted.setdefault(budget, DecayedMean(self.decay)).add(accepted)
+        self.nodes.setdefault(budget, DecayedMean(self.decay)).add(nodes)
+
+    def mean(self, budget: int) -> tuple[float, float]:
+        return self.accepted[budget].value, self.nodes[budget].value
+
+    def weight(self, budget: int) -> float:
+        return self.accepted[budget].weight
+
+
 class AdaptiveBudget:
-    """One generation's budgets: each step the candidate with the most expected tokens per second of a batch of
+    """One session's budgets: each step the candidate with the most expected tokens per second of a batch of
     sessions like it, as many as the last batch had (a session in a batch of 64 weighs its tree of b nodes as 64
     trees of b nodes would cost; its draft overlaps the others').
 
-    Budgets above the last one verified are known only from below, so the first drafted step verifies the maximum,
-    and later steps do again as often as keeps those explorations under `explore_share` of the batch's time, and
-    at least every `explore_every` steps: often when exploring is cheap (a drafter that finds nothing costs only its
-    round trip), rarely when a large tree costs much more than the chosen one, and more rarely in a larger batch
-    (each of its sessions explores, and each exploration slows all of them). That also brings a session back from
-    budget 0 (no draft) once its text turns predictable. In between, a path that ran into the tree's edge (it ended
-    at a leaf of a tree the budget had cut) tries the next candidate up: one size larger costs little, and a session
-    whose text turns predictable climbs a size per step instead of waiting for the next exploration."""
+    What a budget accepts comes from the session's own steps, and until it has verified one of that size, from
+    `shared`, the record of all the service's sessions (so a new session does not pay to explore what the others
+    know), or, before any session has, from hope (every node accepted). A record weighs less the longer it goes
+    unverified (by `age_decay` a step) against what the service's sessions accept, or a fifth of the tree if more
+    (weight `hope`): a text that was unpredictable a few steps ago (a model seldom repeats itself from its first
+    token) is not taken to stay so, and the more steps a budget has failed, the longer that takes (a text that
+    never repeats is seldom drafted for). Its tree is taken at its full size meanwhile, which keeps those returns
+    to small budgets where trees are dear.
 
-    def __init__(self, max_budget: int, costs: StepCosts, explore_share: float = 0.1, explore_every: int = 64,
-                 decay: float = 0.8):
-        self.max_budget, self.costs, self.decay = max_budget, costs, decay
-        self.explore_share, self.explore_every = explore_share, explore_every
+    Two more ways up: a path that ran into the tree's edge (it ended at a leaf of a tree the budget had cut) tries
+    the next candidate up at the next step; and the maximum is verified again as often as keeps those explorations
+    under `explore_share` of the batch's time (all its sessions' explorations together)."""
+
+    def __init__(self, max_budget: int, costs: StepCosts, shared: Outcomes, explore_share: float = 0.02,
+                 decay: float = 0.8, age_decay: float = 0.8, hope: float = 0.01):
+        self.max_budget, self.costs, self.shared = max_budget, costs, shared
+        self.explore_share, self.age_decay, self.hope = explore_share, age_decay, hope
         self.candidates = candidate_budgets(max_budget)
-        self.accepted: dict[int, DecayedMean] = {}  # budget > 0 -> the nodes it would have accepted
-        self.nodes: dict[int, DecayedMean] = {}  # budget > 0 -> its tree's nodes
+        self.own = Outcomes(decay)
+        self.steps = 0
+        self.verified_at: dict[int, int] = {}  # budget > 0 -> the step that last told its outcome
         self.since_max = 0  # steps since the last one at the maximum, that one included
         self.step_up: int | None = None  # the next step's budget after a path that ran into the edge
         self.last_rows = 1  # this session's rows in its last step
 
     def choose(self, context: int) -> int:
-        if self.max_budget not in self.accepted:
-            return self.max_budget
-        best = max((0, *self.accepted), key=lambda b: (self.tokens_per_s(b, context), -b))
-        if self.since_max >= self._exploration_interval(best, context):
+        best = max(self.candidates, key=lambda b: (self.tokens_per_s(b, context), -b))
+        if best != self.max_budget and self.since_max >= self._exploration_interval(best, context):
             return self.max_budget
         return self.step_up if self.step_up is not None else best
 
-    def _nodes(self, budget: int) -> float:
-        return self.nodes[budget].value if budget else 0.0
+    def expected(self, budget: int) -> tuple[float, float]:
+        """(accepted nodes, tree nodes) a step of `budget` can expect: the record, aged, blended with what the
+        service's sessions accept and the budget's full size."""
+        if budget == 0:
+            return 0.0, 0.0
+        if budget in self.own:
+            record, weight = self.own.mean(budget), self.own.weight(budget)
+            age = self.steps - self.verified_at[budget]
+        elif budget in self.shared:  # NOTE: as one step of the session's own, taken when it began
+            record, weight, age = self.shared.mean(budget), 1.0, self.steps
+        else:
+            return float(budget), float(budget)
+        weight *= self.age_decay ** age
+        usual = max(self.shared.mean(budget)[0] if budget in self.shared else budget, HOPE_SHARE * budget)
+        return ((weight * record[0] + self.hope * usual) / (weight + self.hope),
+                (weight * record[1] + self.hope * budget) / (weight + self.hope))
 
     def tokens_per_s(self, budget: int, context: int) -> float:
         """Expected tokens per second of a batch of sessions like this one (the last batch's size) at `budget`:
         each session's trees are paid for by the whole batch, and its drafts overlap the others' drafts."""
-        sessions = self.costs.batch.sessions
-        besides = (sessions - 1) * (self._nodes(budget) + 1)
-        tokens = 1 + (self.accepted[budget].value if budget else 0)
-        return tokens / self.costs.seconds(budget, self._nodes(budget), context, besides)
+        accepted, nodes = self.expected(budget)
+        besides = (self.costs.batch.sessions - 1) * (nodes + 1)
+        return (1 + accepted) / self.costs.seconds(budget, nodes, context, besides)
 
     def _exploration_interval(self, best: int, context: int) -> float:
         """Steps from one exploration to the next that spend `explore_share` of the batch's time on the
         explorations of all its sessions (each one adds its tree's rows to the batch as it stands)."""
-        sessions, besides = self.costs.batch.sessions, max(0, self.costs.batch.rows - self.last_rows)
-        extra = (self.costs.seconds(self.max_budget, self._nodes(self.max_budget), context, besides)
-                 - self.costs.seconds(best, self._nodes(best), context, besides))
-        step = self.costs.seconds(best, self._nodes(best), context, besides)
-        return min(self.explore_every, sessions * extra / (self.explore_share * step))
+        besides = max(0, self.costs.batch.rows - self.last_rows)
+        step = self.costs.seconds(best, self.expected(best)[1], context, besides)
+        extra = self.costs.seconds(self.max_budget, self.expected(self.max_budget)[1], context, besides) - step
+        return self.costs.batch.sessions * extra / (self.explore_share * step)
 
     def observe(self, budget: int, tree: DraftTree | None, accepted: list[int]) -> None:
+        self.steps += 1
         self.since_max += 1
         self.step_up = None
         self.last_rows = (len(tree) if tree else 0) + 1
@@ -247,13 +295,16 @@ class AdaptiveBudget:
         path = accepted_nodes(tree, accepted)
         for b in self.candidates[1:]:
             if b <= budget:
-                self.accepted.setdefault(b, DecayedMean(self.decay)).add(accepted_within(path, b))
-                self.nodes.setdefault(b, DecayedMean(self.decay)).add(min(b, len(tree)))
+                outcome = accepted_within(path, b), min(b, len(tree))
+                self.own.add(b, *outcome)
+                self.shared.add(b, *outcome)
+                self.verified_at[b] = self.steps
         if len(tree) == budget and path and path[-1] not in tree.parents:
             self.step_up = next((b for b in self.candidates if b > budget), None)
 
 
-def session_policy(policy: BudgetPolicyName, max_budget: int, pinned: int, costs: StepCosts) -> BudgetPolicy:
+def session_policy(policy: BudgetPolicyName, max_budget: int, pinned: int, costs: StepCosts,
+                   shared: Outcomes) -> BudgetPolicy:
     """A generation's policy: the request's `tree_budget` when it pins one (> 0), else the server's."""
     if pinned < 0:
         raise InvalidArgument(f"tree_budget: {pinned} is negative (0 = the server's policy)")
@@ -261,4 +312,4 @@ def session_policy(policy: BudgetPolicyName, max_budget: int, pinned: int, costs
         raise InvalidArgument(f"tree_budget: {pinned} is more than the server's maximum {max_budget}")
     if pinned:
         return FixedBudget(pinned)
-    return AdaptiveBudget(max_budget, costs) if policy == "adaptive" else FixedBudget(max_budget)
+    return AdaptiveBudget(max_budget, costs, shared) if policy == "adaptive" else FixedBudget(max_budget)

@@ -1,0 +1,135 @@
+"""A batch of sessions stepping in lockstep against a synthetic engine, to judge budget policies by their outcome
+(tokens per second) rather than by the budgets they pick.
+
+The costs follow what the H200 runs of benchmarks/throughput.py measured (Qwen3-0.6B shape, 1k context): a step
+pays a fixed part, a part per session, more per session that verifies a tree (its host work), and a little per
+row; drafts overlap each other. Trees are what the n-gram drafter sends for periodic text: a chain the text may
+follow, then branches it never does (best-first, so a smaller budget's tree is a prefix).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from modeling.tree import DraftTree  # noqa: E402
+from verifier_service.tree_budget import (  # noqa: E402
+    SHARED_DECAY,
+    AdaptiveBudget,
+    BatchShape,
+    BudgetPolicy,
+    FixedBudget,
+    Outcomes,
+    StepCosts,
+)
+
+CONTEXT = 1024
+DRAFT_S = 0.0003
+CHAIN = 14  # the deepest chain the drafter proposes
+
+
+@dataclass(frozen=True)
+class Engine:
+    """Seconds of a verify step: `fixed`, plus `per_session` for each session and `per_tree` more for each that
+    verifies a tree, plus `per_row` for each row."""
+
+    fixed: float = 0.0012
+    per_session: float = 0.0002
+    per_tree: float = 0.001
+    per_row: float = 0.000005
+
+    def step_s(self, sessions: int, trees: int, rows: int) -> float:
+        return self.fixed + self.per_session * sessions + self.per_tree * trees + self.per_row * rows
+
+
+HOST_BOUND = Engine()  # as measured through the services: a session with a tree costs ~1 ms of host work
+GPU_BOUND = Engine(per_tree=0.00005, per_row=0.00002)  # the engine step alone: trees cost their rows
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What each generation's text lets a draft accept: nothing for its first `warmup` tokens (a model does not
+    repeat itself at once), then up to `accept` nodes of the chain."""
+
+    accept: int
+    warmup: int = 0
+
+
+def draft(budget: int) -> DraftTree:
+    chain = min(budget, CHAIN)
+    parents = tuple(range(-1, chain - 1)) + (-1,) * (budget - chain)
+    depths = tuple(range(1, chain + 1)) + (1,) * (budget - chain)
+    return DraftTree(tuple(range(budget)), parents, depths)
+
+
+def adaptive_sessions(max_budget: int = 63) -> Callable[[StepCosts], BudgetPolicy]:
+    """New adaptive sessions of one service: they share its record of what each budget accepts."""
+    shared = Outcomes(SHARED_DECAY)
+    return lambda costs: AdaptiveBudget(max_budget, costs, shared)
+
+
+def tokens_per_s(new_policy: Callable[[StepCosts], BudgetPolicy], sessions: int, workload: Workload,
+                 engine: Engine = HOST_BOUND, tokens: int = 128, generations: int = 4) -> float:
+    """Every session runs `generations` generations of `tokens` tokens back to back (a new policy each, as a
+    one-shot request gets); all sessions step together. Tokens per simulated second."""
+    costs = StepCosts()
+    policies = [new_policy(costs) for _ in range(sessions)]
+    made, finished, elapsed, total = [0] * sessions, [0] * sessions, 0.0, 0
+    while min(finished) < generations:
+        budgets = [policy.choose(CONTEXT) for policy in policies]
+        trees = [draft(budget) for budget in budgets]
+        batch = BatchShape(sessions, sum(len(tree) + 1 for tree in trees))
+        verify = engine.step_s(sessions, sum(1 for tree in trees if len(tree)), batch.rows)
+        elapsed += verify + (DRAFT_S if any(budgets) else 0.0)
+        costs.observe_batch(batch, CONTEXT, verify)
+        for i, (policy, budget, tree) in enumerate(zip(policies, budgets, trees)):
+            if budget:
+                costs.observe_draft(budget, CONTEXT, DRAFT_S)
+            accepted = 0 if made[i] < workload.warmup else min(workload.accept, budget, CHAIN)
+            policy.observe(budget, tree, list(tree.tokens[:accepted]))
+            made[i] += 1 + accepted
+            total += 1 + accepted
+            if made[i] >= tokens:
+                made[i], finished[i], policies[i] = 0, finished[i] + 1, new_policy(costs)
+    return total / elapsed
+
+
+WORKLOADS = (Workload(13, 8), Workload(13), Workload(0), Workload(1), Workload(3), Workload(6), Workload(13, 40))
+FIXED = (0, 7, 15, 31, 63)
+
+
+def main() -> None:
+    """The adaptive policy against every fixed budget over the grid of engines, workloads and batch sizes."""
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("--out-dir", type=Path, default=Path(__file__).parent / "results")
+    args = parser.parse_args()
+    rows = []
+    for name, engine in (("host-bound", HOST_BOUND), ("gpu-bound", GPU_BOUND)):
+        for workload in WORKLOADS:
+            for sessions in (1, 16, 64):
+                fixed = {b: tokens_per_s(lambda _, b=b: FixedBudget(b), sessions, workload, engine) for b in FIXED}
+                adaptive = tokens_per_s(adaptive_sessions(), sessions, workload, engine)
+                rows.append({"engine": name, "accept": workload.accept, "warmup": workload.warmup,
+                             "sessions": sessions, "fixed": fixed, "adaptive": adaptive,
+                             "vs_best": adaptive / max(fixed.values())})
+                print(rows[-1], flush=True)
+    command = "python benchmarks/budget_simulation.py"
+    (args.out_dir / "budget_simulation.json").write_text(json.dumps({"command": command, "rows": rows}, indent=1))
+    lines = ["# The adaptive tree budget on simulated batches", "", f"Command: `{command}`", "",
+             "Tokens per simulated second (`benchmarks/budget_simulation.py`: sessions in lockstep, n-gram-like chains,"
+             " step costs from the H200 runs); 'vs best' = adaptive / the best of the fixed budgets (0 = plain).", "",
+             "| engine | accepts | after tokens | sessions | " + " | ".join(f"fixed {b}" for b in FIXED)
+             + " | adaptive | vs best |", "|---" * (6 + len(FIXED)) + "|"]
+    lines += [f"| {r['engine']} | {r['accept']} | {r['warmup']} | {r['sessions']} | "
+              + " | ".join(f"{r['fixed'][b]:.0f}" for b in FIXED) + f" | {r['adaptive']:.0f} | {r['vs_best']:.2f} |"
+              for r in rows]
+    (args.out_dir / "budget_simulation.md").write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
