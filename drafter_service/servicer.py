@@ -1,11 +1,13 @@
 """The Drafter gRPC servicer: many verifier streams, one batched draft per forward.
 
-A step that arrives while the drafter is idle (nothing queued, no reply being written) is drafted by its
-stream's reader at once and its reply written straight to the stream: no hand-off to another task, each of
-which costs a loop turn on every decode step's round trip. A step that arrives while replies are still being
-written, or while others wait, queues in one scheduler; whatever is queued then forms the next batch, so
-streams that arrive together still share a forward. A newer step for a session whose older step is still
-queued absorbs it (its committed tokens are kept, its reply is dropped as stale).
+A verifier sends the requests of many sessions as one batch message (once Info says the replica takes them),
+and gets their replies back as one. Steps that arrive while the drafter is idle (nothing queued, no reply being
+written) are drafted by their stream's reader at once, together, and their replies written straight to the
+stream: no hand-off to another task, each of which costs a loop turn on every decode step's round trip. A step
+that arrives while replies are still being written, or while others wait, queues in one scheduler; whatever is
+queued then forms the next batch, so streams that arrive together still share a forward. A newer step for a
+session whose older step is still queued absorbs it (its committed tokens are kept, its reply is dropped as
+stale).
 
 Drafts run on the event loop itself: a hop to a worker thread and back (GIL hand-overs next to gRPC's
 poller) cost more than an n-gram draft or a graph-replayed DFlash forward. Nothing else needs the loop
@@ -17,7 +19,7 @@ import asyncio
 import logging
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, replace
 
 import grpc
@@ -39,10 +41,12 @@ PENDING_REPLIES_LIMIT = 256
 
 class _Stream:
     """One verifier's Draft stream: the sessions it opened, and its replies, written one at a time in order
-    (gRPC allows one write in flight per call)."""
+    (gRPC allows one write in flight per call); replies that wait together go as one batch once the verifier has
+    sent one (each message costs the verifier's event loop tens of microseconds)."""
 
     def __init__(self, context: grpc.aio.ServicerContext):
         self.context = context
+        self.batches = False
         self.opened: set[str] = set()
         self.pending: deque[drafter_pb2.DrafterReply] = deque()
         self.writing = False
@@ -56,9 +60,9 @@ class _Stream:
             self.drained.clear()
             await self.drained.wait()
 
-    async def write(self, reply: drafter_pb2.DrafterReply) -> None:
-        """The reader's path: write now, or behind the write under way (which then sends this one too)."""
-        self.pending.append(reply)
+    async def write(self, *replies: drafter_pb2.DrafterReply) -> None:
+        """The reader's path: write now, or behind the write under way (which then sends these too)."""
+        self.pending.extend(replies)
         if not self.writing:
             self.writing = True
             await self._write_pending()
@@ -75,12 +79,18 @@ class _Stream:
     async def _write_pending(self) -> None:
         try:
             while self.pending:
-                await self.context.write(self.pending.popleft())
+                await self.context.write(self._next_message())
                 if len(self.pending) < PENDING_REPLIES_LIMIT:
                     self.drained.set()
         finally:
             self.writing = False
             self.drained.set()
+
+    def _next_message(self) -> drafter_pb2.DrafterReply:
+        if not self.batches or len(self.pending) == 1:
+            return self.pending.popleft()
+        replies, self.pending = list(self.pending), deque()
+        return drafter_pb2.DrafterReply(batch=drafter_pb2.DrafterReplies(replies=replies))
 
     async def _write_in_background(self) -> None:
         try:
@@ -153,13 +163,11 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         try:
             async for request in request_iterator:
                 await stream.room()
-                kind = request.WhichOneof("kind")
-                if kind == "open":
-                    await self._open(request.open, stream)
-                elif kind == "step":
-                    await self._step(request.step, stream)
-                elif kind == "close":
-                    self._close(request.close.session_id, stream.opened)
+                if request.WhichOneof("kind") == "batch":
+                    stream.batches = True
+                    await self._handle(request.batch.requests, stream)
+                else:
+                    await self._handle((request,), stream)
             await stream.finish()
         finally:
             stream.end()
@@ -184,19 +192,31 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         stream.opened.add(message.session_id)
         self.open_ids.add(message.session_id)
 
-    async def _step(self, message: drafter_pb2.DrafterStep, stream: _Stream) -> None:
+    async def _handle(self, requests: Sequence[drafter_pb2.DrafterRequest], stream: _Stream) -> None:
+        """Requests in order; the steps among them are drafted together."""
+        steps = []
+        for request in requests:
+            kind = request.WhichOneof("kind")
+            if kind == "open":
+                await self._open(request.open, stream)
+            elif kind == "step" and (step := await self._parse_step(request.step, stream)) is not None:
+                steps.append(step)
+            elif kind == "close":
+                self._close(request.close.session_id, stream.opened)
+        if steps and self._idle() and len({step.session_id for step in steps}) == len(steps):
+            await stream.write(*(reply for _, reply in self._draft([_Queued(step, stream) for step in steps])))
+        else:
+            for step in steps:
+                self._enqueue(step, stream)
+
+    async def _parse_step(self, message: drafter_pb2.DrafterStep, stream: _Stream) -> DraftStep | None:
         try:
             features = from_proto(message.features)
         except ValueError as error:
             await stream.write(self._error(message.session_id, message.step, error))
-            return
-        step = DraftStep(message.session_id, message.step, list(message.committed_token_ids), features,
+            return None
+        return DraftStep(message.session_id, message.step, list(message.committed_token_ids), features,
                          message.root_token_id, message.position, message.tree_budget)
-        if self._idle():
-            ((_, reply),) = self._draft([_Queued(step, stream)])
-            await stream.write(reply)
-        else:
-            self._enqueue(step, stream)
 
     def _idle(self) -> bool:
         """Nothing queued and no reply being written: a step now has no batch to join."""
@@ -241,4 +261,4 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             replica_id=self.replica_id, drafter_kind=info.kind, block_size=info.block_size,
             context_window=info.context_window or 0, target_layer_ids=list(info.target_layer_ids),
             feature_dim=info.feature_dim, max_tree_budget=info.max_budget, open_sessions=len(self.open_ids),
-            dtype=info.dtype, device=info.device, cuda_graphs=self.drafter.captured_graphs)
+            dtype=info.dtype, device=info.device, cuda_graphs=self.drafter.captured_graphs, batches=True)

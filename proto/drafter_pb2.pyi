@@ -8,14 +8,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class DrafterRequest(_message.Message):
-    __slots__ = ("open", "step", "close")
+    __slots__ = ("open", "step", "close", "batch")
     OPEN_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     CLOSE_FIELD_NUMBER: _ClassVar[int]
+    BATCH_FIELD_NUMBER: _ClassVar[int]
     open: DrafterOpen
     step: DrafterStep
     close: DrafterClose
-    def __init__(self, open: _Optional[_Union[DrafterOpen, _Mapping]] = ..., step: _Optional[_Union[DrafterStep, _Mapping]] = ..., close: _Optional[_Union[DrafterClose, _Mapping]] = ...) -> None: ...
+    batch: DrafterRequests
+    def __init__(self, open: _Optional[_Union[DrafterOpen, _Mapping]] = ..., step: _Optional[_Union[DrafterStep, _Mapping]] = ..., close: _Optional[_Union[DrafterClose, _Mapping]] = ..., batch: _Optional[_Union[DrafterRequests, _Mapping]] = ...) -> None: ...
+
+class DrafterRequests(_message.Message):
+    __slots__ = ("requests",)
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    requests: _containers.RepeatedCompositeFieldContainer[DrafterRequest]
+    def __init__(self, requests: _Optional[_Iterable[_Union[DrafterRequest, _Mapping]]] = ...) -> None: ...
 
 class DrafterOpen(_message.Message):
     __slots__ = ("session_id", "token_ids", "features", "start_position")
@@ -54,12 +62,20 @@ class DrafterClose(_message.Message):
     def __init__(self, session_id: _Optional[str] = ...) -> None: ...
 
 class DrafterReply(_message.Message):
-    __slots__ = ("tree", "error")
+    __slots__ = ("tree", "error", "batch")
     TREE_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    BATCH_FIELD_NUMBER: _ClassVar[int]
     tree: DrafterTree
     error: DrafterSessionError
-    def __init__(self, tree: _Optional[_Union[DrafterTree, _Mapping]] = ..., error: _Optional[_Union[DrafterSessionError, _Mapping]] = ...) -> None: ...
+    batch: DrafterReplies
+    def __init__(self, tree: _Optional[_Union[DrafterTree, _Mapping]] = ..., error: _Optional[_Union[DrafterSessionError, _Mapping]] = ..., batch: _Optional[_Union[DrafterReplies, _Mapping]] = ...) -> None: ...
+
+class DrafterReplies(_message.Message):
+    __slots__ = ("replies",)
+    REPLIES_FIELD_NUMBER: _ClassVar[int]
+    replies: _containers.RepeatedCompositeFieldContainer[DrafterReply]
+    def __init__(self, replies: _Optional[_Iterable[_Union[DrafterReply, _Mapping]]] = ...) -> None: ...
 
 class DrafterTree(_message.Message):
     __slots__ = ("session_id", "step", "tree", "replica_id", "draft_ms")
@@ -94,7 +110,7 @@ class DrafterInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DrafterInfoReply(_message.Message):
-    __slots__ = ("replica_id", "drafter_kind", "block_size", "context_window", "target_layer_ids", "feature_dim", "max_tree_budget", "open_sessions", "dtype", "device", "cuda_graphs")
+    __slots__ = ("replica_id", "drafter_kind", "block_size", "context_window", "target_layer_ids", "feature_dim", "max_tree_budget", "open_sessions", "dtype", "device", "cuda_graphs", "batches")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_KIND_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -106,6 +122,7 @@ class DrafterInfoReply(_message.Message):
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     CUDA_GRAPHS_FIELD_NUMBER: _ClassVar[int]
+    BATCHES_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     drafter_kind: str
     block_size: int
@@ -117,4 +134,5 @@ class DrafterInfoReply(_message.Message):
     dtype: str
     device: str
     cuda_graphs: int
-    def __init__(self, replica_id: _Optional[str] = ..., drafter_kind: _Optional[str] = ..., block_size: _Optional[int] = ..., context_window: _Optional[int] = ..., target_layer_ids: _Optional[_Iterable[int]] = ..., feature_dim: _Optional[int] = ..., max_tree_budget: _Optional[int] = ..., open_sessions: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., cuda_graphs: _Optional[int] = ...) -> None: ...
+    batches: bool
+    def __init__(self, replica_id: _Optional[str] = ..., drafter_kind: _Optional[str] = ..., block_size: _Optional[int] = ..., context_window: _Optional[int] = ..., target_layer_ids: _Optional[_Iterable[int]] = ..., feature_dim: _Optional[int] = ..., max_tree_budget: _Optional[int] = ..., open_sessions: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., cuda_graphs: _Optional[int] = ..., batches: _Optional[bool] = ...) -> None: ...

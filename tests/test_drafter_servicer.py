@@ -206,16 +206,21 @@ def test_an_ended_stream_sends_its_replies_then_closes_its_sessions() -> None:
     run(test)
 
 
+async def serve(servicer: DrafterServicer) -> tuple[grpc.aio.Server, DrafterPool]:
+    """The servicer behind real gRPC on loopback, and a verifier's pool pointed at it."""
+    server = grpc.aio.server()
+    drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    servicer.start()
+    await server.start()
+    return server, DrafterPool(f"127.0.0.1:{port}", VerifierMetrics(), timeout_s=5.0)
+
+
 def test_the_verifier_pool_drafts_over_grpc_and_its_sessions_close_with_the_stream() -> None:
     async def main() -> None:
         drafter = RecordingDrafter()
         servicer = DrafterServicer(drafter, "r0")
-        server = grpc.aio.server()
-        drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        servicer.start()
-        await server.start()
-        pool = DrafterPool(f"127.0.0.1:{port}", VerifierMetrics(), timeout_s=5.0)
+        server, pool = await serve(servicer)
         try:
             await pool.refresh()
             pool.attach("s", lambda: PROMPT, None)
@@ -262,3 +267,59 @@ def test_a_verifier_that_stops_reading_stops_the_reader_not_the_memory(monkeypat
         stream.end()
         await stream.task
     run(test)
+
+
+def test_a_batch_of_requests_is_drafted_together_and_answered_in_one_message() -> None:
+    """Opens, steps and a close in one message: handled in order, the steps drafted together by the reader, their
+    replies sent back as one batch (a stream that never sent a batch gets one message per reply, as above)."""
+    async def test(servicer: DrafterServicer, drafter: RecordingDrafter) -> None:
+        stream = FakeStream(servicer)
+        batch = [drafter_pb2.DrafterRequest(open=drafter_pb2.DrafterOpen(session_id=s, token_ids=PROMPT))
+                 for s in ("a", "b", "gone")]
+        batch += [drafter_pb2.DrafterRequest(close=drafter_pb2.DrafterClose(session_id="gone"))]
+        batch += [drafter_pb2.DrafterRequest(step=drafter_pb2.DrafterStep(
+            session_id=s, step=1, root_token_id=root, position=len(PROMPT), tree_budget=8))
+            for s, root in (("a", 5), ("b", 6), ("gone", 5))]
+        stream.inbox.put_nowait(drafter_pb2.DrafterRequest(batch=drafter_pb2.DrafterRequests(requests=batch)))
+        await settle()
+        # together, then one at a time to isolate the session at fault (gone: its mirror was closed)
+        assert drafter.batches[0] == (stream.task.get_name(), ["a", "b", "gone"]) and len(drafter.batches) == 4
+        (message,) = stream.replies
+        a, b, gone = message.batch.replies
+        assert a.tree.tree.tokens == list(reference_tree(PROMPT + [5]))
+        assert b.tree.tree.tokens == list(reference_tree(PROMPT + [6]))
+        assert error_code(gone) == grpc.StatusCode.NOT_FOUND and servicer.open_ids == {"a", "b"}
+        stream.end()
+        await stream.task
+    run(test)
+
+
+def test_the_verifier_pool_batches_a_steps_requests_where_the_replica_takes_batches(monkeypatch) -> None:
+    """Sessions that draft at once share a message each way; a replica whose Info does not offer batches (an older
+    one) gets one message per request. The trees are the same either way."""
+    async def main(batches: bool) -> list[int]:
+        drafter = RecordingDrafter()
+        servicer = DrafterServicer(drafter, "r0")
+        received = []
+        handle = servicer._handle
+        monkeypatch.setattr(servicer, "_handle", lambda requests, stream: received.append(len(requests)) or handle(
+            requests, stream))
+        server, pool = await serve(servicer)
+        try:
+            await pool.refresh()
+            next(iter(pool.links.values())).info.batches = batches
+            sessions = [f"s{i}" for i in range(8)]
+            for session_id in sessions:
+                pool.attach(session_id, lambda: PROMPT, None)
+            for step, (committed, root) in enumerate([([], 5), ([5], 6)]):
+                trees = await asyncio.gather(*(pool.draft(DraftStep(
+                    s, step, committed, None, root, len(PROMPT) + max(0, step - 1), 8)) for s in sessions))
+                assert {tree.tokens for tree in trees} == {reference_tree(PROMPT + [5, 6][:step + 1])}
+            return received
+        finally:
+            await pool.stop()
+            servicer.task.cancel()
+            await server.stop(None)
+
+    assert asyncio.run(main(True)) == [16, 8]  # the first step opens every mirror too
+    assert asyncio.run(main(False)) == [1] * 24

@@ -73,19 +73,27 @@ class ReplicaLink:
         return self.info
 
     async def _requests(self) -> AsyncIterator[drafter_pb2.DrafterRequest]:
+        """The queued requests, all that wait at once in one batch message where the replica takes them: the
+        sessions of a verify step queue theirs in one turn of the loop, before this wakes."""
         while (request := await self.outbox.get()) is not None:
-            yield request
+            if not (self.info and self.info.batches) or self.outbox.empty():
+                yield request
+                continue
+            requests, ended = [request], False
+            while not self.outbox.empty() and not ended:
+                more = self.outbox.get_nowait()
+                ended = more is None
+                if not ended:
+                    requests.append(more)
+            yield drafter_pb2.DrafterRequest(batch=drafter_pb2.DrafterRequests(requests=requests))
+            if ended:
+                return
 
     async def _read(self) -> None:
         try:
             async for reply in self.call:
-                kind = reply.WhichOneof("kind")
-                message = getattr(reply, kind)
-                future = self.waiting.pop((message.session_id, message.step), None)
-                if future is not None and not future.done():
-                    future.set_result(reply)
-                elif kind == "error":
-                    self.on_session_error(message.session_id)  # a failed Open or a stale step's error
+                for each in reply.batch.replies if reply.WhichOneof("kind") == "batch" else (reply,):
+                    self._deliver(each)
         except grpc.aio.AioRpcError as error:
             log.warning("drafter %s lost: %s", self.address, error.code())
         finally:
@@ -96,6 +104,15 @@ class ReplicaLink:
             self.waiting.clear()
             if was_alive:
                 self.on_lost()
+
+    def _deliver(self, reply: drafter_pb2.DrafterReply) -> None:
+        kind = reply.WhichOneof("kind")
+        message = getattr(reply, kind)
+        future = self.waiting.pop((message.session_id, message.step), None)
+        if future is not None and not future.done():
+            future.set_result(reply)
+        elif kind == "error":
+            self.on_session_error(message.session_id)  # a failed Open or a stale step's error
 
     def send(self, request: drafter_pb2.DrafterRequest) -> None:
         """Queue a request; raises asyncio.QueueFull when the replica has stopped reading."""
