@@ -3,8 +3,10 @@ sessions arrives as one message instead of one per session (verifier_service/gen
 
 Seen from a generation, the stream behaves as a Generate call of its own: its steps in order, then the end; a
 failure raises grpc.aio.AioRpcError with the status the verifier gave it; a deadline raises DEADLINE_EXCEEDED;
-closing it early cancels the generation at the verifier. A stream that breaks (the verifier went away) fails
-every generation on it with its status, and the next generation opens a new one.
+closing it early cancels the generation at the verifier; a caller that stops reading holds its generation back
+(the verifier waits once WINDOW of its events are untaken, as HTTP/2 flow control would hold a call of its own).
+A stream that breaks (the verifier went away) fails every generation on it with its status, and the next
+generation opens a new one.
 """
 
 from __future__ import annotations
@@ -18,6 +20,11 @@ import grpc
 from proto import verifier_pb2, verifier_pb2_grpc
 
 CODES = {code.value[0]: code for code in grpc.StatusCode}
+# NOTE: events a generation may have under way (sent by the verifier, or queued here) before its caller takes them:
+# its producer waits at that many, so a caller that stops reading holds back its own generation, not the stream's
+# others, and nothing piles up. Roomy for the same reason as the verifier's run-ahead bound; credit goes back at
+# half of it, so one report travels per several events.
+WINDOW = 16
 
 
 def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
@@ -70,8 +77,8 @@ class GenerationStream:
             expired = rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
             deadline = asyncio.get_running_loop().call_later(timeout + 1.0, inbox.put_nowait, expired)
         self.outgoing.put_nowait(verifier_pb2.VerifierStreamRequest(request_id=request_id, generate=request,
-                                                                    timeout_s=timeout or 0.0))
-        ended = False
+                                                                    timeout_s=timeout or 0.0, window=WINDOW))
+        ended, consumed = False, 0
         try:
             while True:
                 event = await inbox.get()
@@ -85,6 +92,11 @@ class GenerationStream:
                 if event.step.finished:
                     ended = True
                     return
+                consumed += 1  # NOTE: the caller came back for the next one: it took this one
+                if consumed >= WINDOW // 2:
+                    self.outgoing.put_nowait(verifier_pb2.VerifierStreamRequest(request_id=request_id,
+                                                                                consumed=consumed))
+                    consumed = 0
         finally:
             del self.inboxes[request_id]
             if deadline is not None:

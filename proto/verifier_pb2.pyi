@@ -74,16 +74,20 @@ class VerifierGenerateStep(_message.Message):
     def __init__(self, step: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., acceptance_length: _Optional[int] = ..., drafted_nodes: _Optional[int] = ..., finished: _Optional[bool] = ..., stop_reason: _Optional[_Union[_common_pb2.StopReason, str]] = ..., num_tokens: _Optional[int] = ..., timings: _Optional[_Union[_common_pb2.StepTimings, _Mapping]] = ..., prefill: _Optional[_Union[_common_pb2.PrefillProgress, _Mapping]] = ...) -> None: ...
 
 class VerifierStreamRequest(_message.Message):
-    __slots__ = ("request_id", "generate", "cancel", "timeout_s")
+    __slots__ = ("request_id", "generate", "cancel", "consumed", "timeout_s", "window")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATE_FIELD_NUMBER: _ClassVar[int]
     CANCEL_FIELD_NUMBER: _ClassVar[int]
+    CONSUMED_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_FIELD_NUMBER: _ClassVar[int]
     request_id: int
     generate: VerifierGenerateRequest
     cancel: bool
+    consumed: int
     timeout_s: float
-    def __init__(self, request_id: _Optional[int] = ..., generate: _Optional[_Union[VerifierGenerateRequest, _Mapping]] = ..., cancel: _Optional[bool] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+    window: int
+    def __init__(self, request_id: _Optional[int] = ..., generate: _Optional[_Union[VerifierGenerateRequest, _Mapping]] = ..., cancel: _Optional[bool] = ..., consumed: _Optional[int] = ..., timeout_s: _Optional[float] = ..., window: _Optional[int] = ...) -> None: ...
 
 class VerifierStreamReply(_message.Message):
     __slots__ = ("events",)

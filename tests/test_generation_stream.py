@@ -4,10 +4,12 @@ deadlines, the stream's end, and back-pressure (verifier_service/generation_stre
 from __future__ import annotations
 
 import asyncio
+import collections
 
 import grpc
 
-from proto import verifier_pb2
+from gateway.generation_streams import WINDOW, GenerationStream
+from proto import verifier_pb2, verifier_pb2_grpc
 from proto.status import InvalidArgument
 from verifier_service.generation_stream import Outbox, serve_generations
 
@@ -138,3 +140,74 @@ def test_a_generation_waits_while_the_stream_holds_its_limit_of_unsent_events() 
         return held, len(taken), len(outbox.events)
 
     assert asyncio.run(scenario()) == (True, 2, 1)
+
+
+def test_a_generation_with_a_window_waits_for_credit_not_for_the_writes() -> None:
+    """Sent is not enough: the window counts events until the caller reports them consumed. Without a window only
+    the unsent bound applies."""
+    async def scenario():
+        outbox = Outbox(limit=8)
+        outbox.open(1, window=2)
+        event = verifier_pb2.VerifierStreamEvent(request_id=1)
+        await outbox.put(event)
+        await outbox.put(event)
+        await outbox.take()  # both sent
+        third = asyncio.ensure_future(outbox.put(event))
+        await asyncio.sleep(0.01)
+        held = not third.done()
+        outbox.consumed(1, 5)  # more than it has out: no negative credit
+        await asyncio.wait_for(third, 1.0)
+        outbox.consumed(1, 1)
+        await asyncio.wait_for(outbox.put(event), 1.0)
+        free = verifier_pb2.VerifierStreamEvent(request_id=2)  # no window
+        for _ in range(8):
+            await asyncio.wait_for(outbox.put(free), 1.0)
+        return held, outbox.unconsumed[1]
+
+    assert asyncio.run(scenario()) == (True, 1)
+
+
+class Counting(verifier_pb2_grpc.VerifierServicer):
+    """A verifier's GenerateStream whose generations step freely: `made` counts each session's steps."""
+
+    def __init__(self, steps: int) -> None:
+        self.steps, self.made = steps, collections.Counter()
+
+    async def generation(self, message: verifier_pb2.VerifierStreamRequest):
+        session = message.generate.session_id
+        for step in range(self.steps):
+            self.made[session] += 1
+            yield verifier_pb2.VerifierGenerateStep(step=step, token_ids=[step], finished=step == self.steps - 1)
+            await asyncio.sleep(0)
+
+    async def GenerateStream(self, request_iterator, context):
+        async for reply in serve_generations(request_iterator, self.generation, ()):
+            yield reply
+
+
+def test_a_caller_that_stops_reading_holds_back_its_generation_and_no_other() -> None:
+    """Through real gRPC, gateway side to verifier side: the stalled generation's producer stops at the window
+    while another on the same stream runs to its end; once read again, it gives every step, in order."""
+    async def scenario():
+        verifier = Counting(steps=100)
+        server = grpc.aio.server()
+        verifier_pb2_grpc.add_VerifierServicer_to_server(verifier, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stream = GenerationStream(verifier_pb2_grpc.VerifierStub(channel))
+            stalled = stream.generate(verifier_pb2.VerifierGenerateRequest(session_id="stalled"), None)
+            first = await anext(stalled)
+            other = [step.step async for step in stream.generate(
+                verifier_pb2.VerifierGenerateRequest(session_id="other"), None)]
+            await asyncio.sleep(0.05)
+            held = verifier.made["stalled"]
+            rest = [step.step async for step in stalled]
+            await stream.close()
+        await server.stop(None)
+        return first.step, other, held, rest
+
+    first, other, held, rest = asyncio.run(scenario())
+    assert other == list(range(100)) and first == 0
+    assert held <= WINDOW + 1  # the window, and the one its producer was making when it stopped
+    assert rest == list(range(1, 100))

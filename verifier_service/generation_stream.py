@@ -6,7 +6,9 @@ engine's step waits on).
 Each generation runs as a task of its own and puts its events into the stream's Outbox; the writer sends whatever
 the outbox holds each time it comes round. A generation that fails ends with an error event carrying its status,
 the other generations carry on. A cancel request, or the end of the stream, cancels generations as cancelling
-their Generate calls would.
+their Generate calls would. A generation started with a window waits while that many of its events are
+unconsumed: the caller reports what it handed on (`consumed`), so one stalled reader holds back its own
+generation and no other.
 """
 
 from __future__ import annotations
@@ -31,19 +33,36 @@ RUN_AHEAD_EVENTS = 16
 
 
 class Outbox:
-    """The events not yet sent. A generation with `limit` events unsent waits for the writer before adding more,
-    so a stalled reader holds the producers instead of letting events pile up."""
+    """The events not yet sent. A generation waits before adding more while it has `limit` events unsent, or, when
+    its caller gave it a window, while that many are unconsumed (sent or queued, and not yet reported handed on):
+    a stalled reader holds its producer instead of letting events pile up, here or in the caller."""
 
     def __init__(self, limit: int = RUN_AHEAD_EVENTS):
         self.limit = limit
         self.events: list[verifier_pb2.VerifierStreamEvent] = []
         self.ready = asyncio.Event()
         self.unsent: collections.Counter[int] = collections.Counter()
+        self.windows: dict[int, int] = {}  # request id -> its window, for generations that have one
+        self.unconsumed: collections.Counter[int] = collections.Counter()
         self.room: dict[int, asyncio.Event] = {}
+
+    def open(self, request_id: int, window: int) -> None:
+        if window:
+            self.windows[request_id] = window
+
+    def close(self, request_id: int) -> None:
+        self.windows.pop(request_id, None)
+        self.unconsumed.pop(request_id, None)
+
+    def _full(self, request_id: int) -> bool:
+        window = self.windows.get(request_id)
+        if window:
+            return self.unconsumed[request_id] >= window
+        return self.unsent[request_id] >= self.limit
 
     async def put(self, event: verifier_pb2.VerifierStreamEvent) -> None:
         request_id = event.request_id
-        while self.unsent[request_id] >= self.limit:
+        while self._full(request_id):
             room = self.room.setdefault(request_id, asyncio.Event())
             room.clear()
             await room.wait()
@@ -52,10 +71,22 @@ class Outbox:
     def put_nowait(self, event: verifier_pb2.VerifierStreamEvent) -> None:
         self.events.append(event)
         self.unsent[event.request_id] += 1
+        if event.request_id in self.windows:
+            self.unconsumed[event.request_id] += 1
         self.ready.set()
+
+    def consumed(self, request_id: int, count: int) -> None:
+        """The caller handed `count` more of the generation's events on."""
+        if request_id in self.windows:
+            self.unconsumed[request_id] = max(0, self.unconsumed[request_id] - count)
+            self._wake(request_id)
 
     def wake(self) -> None:
         self.ready.set()
+
+    def _wake(self, request_id: int) -> None:
+        if request_id in self.room and not self._full(request_id):
+            self.room.pop(request_id).set()
 
     async def take(self) -> list[verifier_pb2.VerifierStreamEvent]:
         """Every event queued so far; waits for one, or for `wake` (then it may return none)."""
@@ -66,8 +97,8 @@ class Outbox:
         self.unsent.subtract(event.request_id for event in events)
         for request_id in [r for r, count in self.unsent.items() if count <= 0]:
             del self.unsent[request_id]
-        for request_id in [r for r in self.room if self.unsent[r] < self.limit]:
-            self.room.pop(request_id).set()
+        for request_id in list(self.room):
+            self._wake(request_id)
         return events
 
 
@@ -95,6 +126,7 @@ async def serve_generations(requests: AsyncIterator[verifier_pb2.VerifierStreamR
         finally:
             expired.discard(request_id)
             running.pop(request_id, None)
+            outbox.close(request_id)
             outbox.wake()  # NOTE: the writer may be waiting for the last generation to end
 
     def expire(request_id: int, task: asyncio.Task) -> None:
@@ -106,6 +138,7 @@ async def serve_generations(requests: AsyncIterator[verifier_pb2.VerifierStreamR
         async for message in requests:
             kind = message.WhichOneof("kind")
             if kind == "generate" and message.request_id not in running:
+                outbox.open(message.request_id, message.window)
                 task = running[message.request_id] = asyncio.create_task(run(message.request_id, message))
                 if message.timeout_s > 0:
                     asyncio.get_running_loop().call_later(message.timeout_s, expire, message.request_id, task)
@@ -114,6 +147,8 @@ async def serve_generations(requests: AsyncIterator[verifier_pb2.VerifierStreamR
                                               f"request_id: {message.request_id} is already running on this stream"))
             elif kind == "cancel" and message.request_id in running:
                 running[message.request_id].cancel()
+            elif kind == "consumed":
+                outbox.consumed(message.request_id, message.consumed)
 
     reader = asyncio.create_task(read())
     reader.add_done_callback(lambda _: outbox.wake())
