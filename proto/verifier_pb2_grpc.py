@@ -100,7 +100,8 @@ class VerifierServicer:
         generation with a request_id of the caller's choice; each reply carries the events of every generation
         that has one ready, so a verify step of many sessions is one message, not one per session. A
         generation ends with its last step (finished) or an error event; a cancel stops it as cancelling a
-        Generate call would; the stream's end cancels every generation still running on it.
+        Generate call would; the stream's end cancels every generation still running on it. A generation
+        started with a window waits for the caller's credit (`consumed`), so a stalled reader holds back its own.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

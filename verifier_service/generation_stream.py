@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 
 import grpc
 
@@ -24,7 +24,7 @@ from proto import verifier_pb2
 from proto.status import Fallbacks, reported_status
 
 # one generation's messages, as a Generate call of the stream request's `generate` would send them
-Generation = Callable[[verifier_pb2.VerifierStreamRequest], AsyncIterator[verifier_pb2.VerifierGenerateStep]]
+Generation = Callable[[verifier_pb2.VerifierStreamRequest], AsyncGenerator[verifier_pb2.VerifierGenerateStep, None]]
 
 # NOTE: events a generation may run ahead of its stream's writes (a Generate call's too): a reader that stalls holds
 # the producer here instead of letting finished steps (and their features) pile up. Roomy: a write that lags a step
@@ -34,8 +34,8 @@ RUN_AHEAD_EVENTS = 16
 
 class Outbox:
     """The events not yet sent. A generation waits before adding more while it has `limit` events unsent, or, when
-    its caller gave it a window, while that many are unconsumed (sent or queued, and not yet reported handed on):
-    a stalled reader holds its producer instead of letting events pile up, here or in the caller."""
+    its caller gave it a window, that many unconsumed (queued or sent, and not yet reported handed on): a stalled
+    reader holds its producer instead of letting events pile up, here or in the caller."""
 
     def __init__(self, limit: int = RUN_AHEAD_EVENTS):
         self.limit = limit
@@ -47,18 +47,19 @@ class Outbox:
         self.room: dict[int, asyncio.Event] = {}
 
     def open(self, request_id: int, window: int) -> None:
+        """A generation starts; window 0: only `limit` bounds it (a gateway that sends no credit)."""
         if window:
             self.windows[request_id] = window
 
     def close(self, request_id: int) -> None:
+        """The generation ended: its credit goes (a late `consumed` is ignored)."""
         self.windows.pop(request_id, None)
         self.unconsumed.pop(request_id, None)
+        self.room.pop(request_id, None)
 
     def _full(self, request_id: int) -> bool:
-        window = self.windows.get(request_id)
-        if window:
-            return self.unconsumed[request_id] >= window
-        return self.unsent[request_id] >= self.limit
+        window = self.windows.get(request_id, 0)
+        return self.unsent[request_id] >= self.limit or (window > 0 and self.unconsumed[request_id] >= window)
 
     async def put(self, event: verifier_pb2.VerifierStreamEvent) -> None:
         request_id = event.request_id
@@ -76,7 +77,7 @@ class Outbox:
         self.ready.set()
 
     def consumed(self, request_id: int, count: int) -> None:
-        """The caller handed `count` more of the generation's events on."""
+        """The caller handed `count` more of the generation's events on; more than it has out counts as all."""
         if request_id in self.windows:
             self.unconsumed[request_id] = max(0, self.unconsumed[request_id] - count)
             self._wake(request_id)
@@ -115,8 +116,11 @@ async def serve_generations(requests: AsyncIterator[verifier_pb2.VerifierStreamR
 
     async def run(request_id: int, request: verifier_pb2.VerifierStreamRequest) -> None:
         try:
-            async for step in generate(request):
-                await outbox.put(verifier_pb2.VerifierStreamEvent(request_id=request_id, step=step))
+            # NOTE: closed here, not when collected: a generation cancelled while it waits in `put` (for credit, most
+            # often) sits at a yield, and its cleanup (the session's release) must run before the stream moves on
+            async with contextlib.aclosing(generate(request)) as steps:
+                async for step in steps:
+                    await outbox.put(verifier_pb2.VerifierStreamEvent(request_id=request_id, step=step))
         except asyncio.CancelledError:
             if request_id not in expired:
                 raise
