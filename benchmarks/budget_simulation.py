@@ -106,19 +106,20 @@ FIXED = (0, 7, 15, 31, 63)
 def main() -> None:
     """The adaptive policy against every fixed budget over the grid of engines, workloads and batch sizes."""
     parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("--sessions", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--out-dir", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()
     rows = []
     for name, engine in (("host-bound", HOST_BOUND), ("gpu-bound", GPU_BOUND)):
         for workload in WORKLOADS:
-            for sessions in (1, 16, 64):
+            for sessions in args.sessions:
                 fixed = {b: tokens_per_s(lambda _, b=b: FixedBudget(b), sessions, workload, engine) for b in FIXED}
                 adaptive = tokens_per_s(adaptive_sessions(), sessions, workload, engine)
                 rows.append({"engine": name, "accept": workload.accept, "warmup": workload.warmup,
                              "sessions": sessions, "fixed": fixed, "adaptive": adaptive,
                              "vs_best": adaptive / max(fixed.values())})
                 print(rows[-1], flush=True)
-    command = "python benchmarks/budget_simulation.py"
+    command = " ".join(["python benchmarks/budget_simulation.py", *sys.argv[1:]])
     (args.out_dir / "budget_simulation.json").write_text(json.dumps({"command": command, "rows": rows}, indent=1))
     lines = ["# The adaptive tree budget on simulated batches", "", f"Command: `{command}`", "",
              "Tokens per simulated second (`benchmarks/budget_simulation.py`: sessions in lockstep, n-gram-like chains,"

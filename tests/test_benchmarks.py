@@ -59,6 +59,26 @@ def test_grpc_overhead_smoke_run_matches_the_in_process_output(tmp_path: Path) -
     assert result["steps"] > 0 and result["services_ms_per_step"] > 0
 
 
+def test_drafter_hop_smoke_run_writes_its_table(tmp_path: Path) -> None:
+    run_benchmark("drafter_hop.py", "--sessions", "1", "4", "--rounds", "5", "--out-dir", str(tmp_path))
+    rows = json.loads((tmp_path / "drafter_hop.json").read_text())["rows"]
+    assert [(r["sessions"], r["batches"]) for r in rows] == [(1, False), (1, True), (4, False), (4, True)]
+    assert all(r["mean_nodes"] > 0 and r["cpu_us_per_session_step"] > 0 for r in rows)  # every draft found a tree
+
+
+def test_verifier_loop_smoke_run_writes_its_table(tmp_path: Path) -> None:
+    run_benchmark("verifier_loop.py", "--sessions", "3", "--tokens", "8", "--out-dir", str(tmp_path))
+    plain, speculative = json.loads((tmp_path / "verifier_loop.json").read_text())["rows"]
+    assert plain["session_steps"] == 3 * 8 and 0 < speculative["session_steps"] <= 3 * 8
+    assert plain["loop_cpu_us_per_session_step"] > 0 and speculative["loop_cpu_us_per_session_step"] > 0
+
+
+def test_budget_simulation_smoke_run_writes_its_table(tmp_path: Path) -> None:
+    run_benchmark("budget_simulation.py", "--sessions", "1", "--out-dir", str(tmp_path))
+    rows = json.loads((tmp_path / "budget_simulation.json").read_text())["rows"]
+    assert len(rows) == 2 * 7 and all(r["adaptive"] > 0 and r["vs_best"] > 0 for r in rows)
+
+
 def test_kernel_groups_put_cublas_under_one_name() -> None:
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:

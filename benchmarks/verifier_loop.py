@@ -1,0 +1,107 @@
+"""The verifier's event loop per session-step, engine work excluded: S sessions generate at once in a
+VerifierService (the tiny model on the CPU, its steps on the engine thread), plain or drafting with an n-gram
+replica in its own process over real gRPC. The loop thread's CPU time per session-step is what the serving loop
+itself costs (drafts, batching, results, events, metrics), and what it takes from the engine thread's GIL on a GPU.
+
+    python benchmarks/verifier_loop.py [--sessions 64] [--tokens 96] [--profile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import cProfile
+import io
+import json
+import platform
+import pstats
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from ddtree.local_stack import ensure_tiny_model, free_port, wait_healthy  # noqa: E402
+from verifier_service.drafter_pool import DrafterPool  # noqa: E402
+from verifier_service.engine.config import EngineConfig  # noqa: E402
+from verifier_service.engine.engine import Engine  # noqa: E402
+from verifier_service.engine.sampling import SamplingParams  # noqa: E402
+from verifier_service.metrics import VerifierMetrics  # noqa: E402
+from verifier_service.service import VerifierService  # noqa: E402
+
+PROMPT = list(b"the verifier keeps the prefix in pages and the drafter proposes a tree. " * 2)
+
+
+async def generate_all(engine: Engine, drafter: str | None, sessions: int, tokens: int,
+                       profile: cProfile.Profile | None) -> dict:
+    metrics = VerifierMetrics()
+    pool = DrafterPool(drafter, metrics, timeout_s=10) if drafter else None
+    service = VerifierService(engine, pool, metrics, tree_budget=15, inline_steps=False)
+    await service.start()
+    if pool is not None:
+        await pool.refresh()
+    ids = [(await service.create_session(PROMPT)).session_id for _ in range(sessions)]
+    params = SamplingParams(max_new_tokens=tokens, ignore_eos=True)
+    steps = 0
+
+    async def one(session_id: str) -> None:
+        nonlocal steps
+        async for event in service.generate(session_id, [], params, False):
+            steps += hasattr(event, "result")
+
+    started, cpu = time.perf_counter(), time.thread_time()
+    if profile:
+        profile.enable()
+    await asyncio.gather(*(one(session_id) for session_id in ids))
+    if profile:
+        profile.disable()
+    wall, cpu = time.perf_counter() - started, time.thread_time() - cpu
+    await service.stop()
+    return {"drafter": "ngram" if drafter else "none", "sessions": sessions, "session_steps": steps,
+            "tokens": sessions * tokens, "wall_s": wall,
+            "loop_cpu_us_per_session_step": 1e6 * cpu / steps, "loop_cpu_share": cpu / wall}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sessions", type=int, default=64)
+    parser.add_argument("--tokens", type=int, default=96)
+    parser.add_argument("--profile", action="store_true", help="print where the loop's time goes (speculative)")
+    parser.add_argument("--out-dir", type=Path, default=Path(__file__).parent / "results")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    target = ensure_tiny_model()[0]
+    engine = Engine.from_checkpoint(target, EngineConfig(max_context=1024))
+    port = free_port()
+    drafter = subprocess.Popen([sys.executable, "-m", "drafter_service.server", "--drafter", "ngram",
+                                "--listen", f"127.0.0.1:{port}"], cwd=Path(__file__).resolve().parents[1])
+    profile = cProfile.Profile() if args.profile else None
+    try:
+        wait_healthy(f"127.0.0.1:{port}", 60, drafter)
+        rows = [asyncio.run(generate_all(engine, None, args.sessions, args.tokens, None)),
+                asyncio.run(generate_all(engine, f"127.0.0.1:{port}", args.sessions, args.tokens, profile))]
+    finally:
+        drafter.terminate()
+        drafter.wait()
+    for row in rows:
+        print(row)
+    if profile:
+        text = io.StringIO()
+        pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(25)
+        print(text.getvalue())
+    command = " ".join(["python benchmarks/verifier_loop.py", *sys.argv[1:]])
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    lines = [f"# The verifier's event loop per session-step ({platform.machine()}, tiny model, engine excluded)", "",
+             f"Command: `{command}`", "",
+             "| drafter | sessions | session-steps | loop CPU us per session-step | loop CPU / wall |",
+             "|---|---|---|---|---|"]
+    lines += [f"| {r['drafter']} | {r['sessions']} | {r['session_steps']} | {r['loop_cpu_us_per_session_step']:.0f} "
+              f"| {r['loop_cpu_share']:.0%} |" for r in rows]
+    (args.out_dir / "verifier_loop.md").write_text("\n".join(lines) + "\n")
+    (args.out_dir / "verifier_loop.json").write_text(json.dumps({"command": command, "rows": rows}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
