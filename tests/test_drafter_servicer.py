@@ -15,7 +15,7 @@ from drafter_service.ngram_drafter import NgramDrafter
 from drafter_service.servicer import DrafterServicer
 from modeling.speculation import DrafterSeed, DraftStep
 from proto import common_pb2, drafter_pb2, drafter_pb2_grpc
-from verifier_service.drafter_pool import DrafterPool
+from verifier_service.drafter_pool import DrafterPool, ReplicaLink
 from verifier_service.metrics import VerifierMetrics
 
 PROMPT = [5, 6, 7, 8, 5, 6, 7, 9, 5, 6]
@@ -323,3 +323,27 @@ def test_the_verifier_pool_batches_a_steps_requests_where_the_replica_takes_batc
 
     assert asyncio.run(main(True)) == [16, 8]  # the first step opens every mirror too
     assert asyncio.run(main(False)) == [1] * 24
+
+
+def test_a_link_sends_what_queued_together_as_one_batch_and_ends_at_the_close() -> None:
+    """A request alone goes as itself; requests queued in one turn go as one message, and the end marker among
+    them still ends the stream after sending them."""
+    def close(session_id: str) -> drafter_pb2.DrafterRequest:
+        return drafter_pb2.DrafterRequest(close=drafter_pb2.DrafterClose(session_id=session_id))
+
+    async def main() -> tuple:
+        link = ReplicaLink("127.0.0.1:1", lambda _: None, lambda: None)  # NOTE: never connected
+        link.info = drafter_pb2.DrafterInfoReply(batches=True)
+        requests = link._requests()
+        link.send(close("a"))
+        alone = await anext(requests)
+        link.send(close("b"))
+        link.send(close("c"))
+        link.outbox.put_nowait(None)
+        rest = [message async for message in requests]
+        await link.channel.close()
+        return alone, rest
+
+    alone, (batch,) = asyncio.run(main())
+    assert alone.close.session_id == "a"
+    assert [r.close.session_id for r in batch.batch.requests] == ["b", "c"]
