@@ -310,10 +310,14 @@ def test_skipped_drafts_keep_the_mirror_and_change_no_token(tiny_target, tmp_pat
         learn = service.step_costs.observe_draft
         monkeypatch.setattr(service.step_costs, "observe_draft", lambda *args: drafts.append(args) or learn(*args))
         session = await service.create_session(prompt)
-        tokens = [t async for e in service.generate(session.session_id, [], GREEDY, False) for t in e.result.emitted]
+        events = [e async for e in service.generate(session.session_id, [], GREEDY, False)]
         await service.stop()
         await server.stop(0)
-        return tokens, metrics
+        # NOTE: the step counters are kept per batch: they must still count every session-step
+        assert metrics.steps._value.get() == len(events)
+        assert metrics.accepted._value.get() == sum(len(e.result.accepted) for e in events)
+        assert metrics.drafted._value.get() == sum(e.drafted_nodes for e in events)
+        return [t for e in events for t in e.result.emitted], metrics
 
     opens, drafts = [], []  # drafts: (budget, context, seconds) the cost model was taught
     tokens, metrics = asyncio.run(main())

@@ -32,11 +32,11 @@ class _Pending:
 
 class StepBatcher:
     def __init__(self, engine: Engine, worker: EngineWorker, stepping: Callable[[], int],
-                 observe: Callable[[list[Step], float], None] = lambda steps, seconds: None,
+                 observe: Callable[[list[Step], list[StepResult], float], None] = lambda steps, results, seconds: None,
                  batch_wait_s: float = 0.005):
         """stepping: how many sessions are in their step loops (in a step, between steps, or queued here); observe:
-        told each batch's steps and wall time; batch_wait_s: the gap between arriving steps that ends a step's wait
-        for the stepping sessions not queued yet (see the module's docstring)."""
+        told each batch's steps, results and wall time; batch_wait_s: the gap between arriving steps that ends a
+        step's wait for the stepping sessions not queued yet (see the module's docstring)."""
         self.engine, self.worker, self.stepping, self.observe = engine, worker, stepping, observe
         self.batch_wait_s = batch_wait_s
         self.queue: list[_Pending] = []
@@ -147,7 +147,7 @@ class StepBatcher:
             finally:
                 self.running = []
             self.last_step_s = time.perf_counter() - started
-            self.observe(steps, self.last_step_s)
+            self.observe(steps, results, self.last_step_s)
         except Exception as error:  # noqa: BLE001 - handed to the waiting caller
             if len(batch) == 1:
                 if not batch[0].future.done():

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import grpc
 import torch
+from prometheus_client import Counter
 
 from modeling.speculation import DraftStep, drafter_seed
 from modeling.tree import DraftTree
@@ -189,6 +190,7 @@ class DrafterPool:
         self.on_info: Callable[[drafter_pb2.DrafterInfoReply], None] = lambda info: None
         self.task: asyncio.Task | None = None
         self.refreshing = asyncio.Lock()
+        self.tree_counters: dict[str, Counter] = {}  # NOTE: per replica; labels() per tree costs a lookup and a lock
 
     # ---- replicas ---------------------------------------------------------------------------------
 
@@ -329,6 +331,12 @@ class DrafterPool:
             self.metrics.reseeds.inc()
         return True
 
+    def _trees_from(self, replica_id: str) -> Counter:
+        counter = self.tree_counters.get(replica_id)
+        if counter is None:
+            counter = self.tree_counters[replica_id] = self.metrics.trees.labels(replica_id)
+        return counter
+
     async def draft(self, step: DraftStep) -> DraftTree | None:
         """The tree under `step.root`, or None (no replica, timeout, error)."""
         session_id = step.session_id
@@ -354,6 +362,6 @@ class DrafterPool:
             if reply.error.code == grpc.StatusCode.NOT_FOUND.value[0]:
                 state.link = None
             return None
-        self.metrics.trees.labels(reply.tree.replica_id).inc()
+        self._trees_from(reply.tree.replica_id).inc()
         tree = reply.tree.tree
         return DraftTree(tuple(tree.tokens), tuple(tree.parents), tuple(tree.depths), tuple(tree.logprobs))
