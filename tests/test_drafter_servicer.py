@@ -325,11 +325,13 @@ def test_the_verifier_pool_batches_a_steps_requests_where_the_replica_takes_batc
     assert asyncio.run(main(False)) == [1] * 24
 
 
-def test_a_link_sends_what_queued_together_as_one_batch_and_ends_at_the_close() -> None:
-    """A request alone goes as itself; requests queued in one turn go as one message, and the end marker among
-    them still ends the stream after sending them."""
+def test_a_link_sends_what_queued_together_as_one_batch_and_ends_at_the_close(monkeypatch) -> None:
+    """A request alone goes as itself; requests queued in one turn go as one message, no larger than BATCH_BYTES
+    (a seed's features can take megabytes), and the end marker among them still ends the stream after them."""
     def close(session_id: str) -> drafter_pb2.DrafterRequest:
         return drafter_pb2.DrafterRequest(close=drafter_pb2.DrafterClose(session_id=session_id))
+
+    monkeypatch.setattr("verifier_service.drafter_pool.BATCH_BYTES", 2 * close("b").ByteSize())
 
     async def main() -> tuple:
         link = ReplicaLink("127.0.0.1:1", lambda _: None, lambda: None)  # NOTE: never connected
@@ -337,13 +339,13 @@ def test_a_link_sends_what_queued_together_as_one_batch_and_ends_at_the_close() 
         requests = link._requests()
         link.send(close("a"))
         alone = await anext(requests)
-        link.send(close("b"))
-        link.send(close("c"))
+        for session_id in ("b", "c", "d"):
+            link.send(close(session_id))
         link.outbox.put_nowait(None)
         rest = [message async for message in requests]
         await link.channel.close()
         return alone, rest
 
-    alone, (batch,) = asyncio.run(main())
+    alone, (batch, last) = asyncio.run(main())
     assert alone.close.session_id == "a"
-    assert [r.close.session_id for r in batch.batch.requests] == ["b", "c"]
+    assert [r.close.session_id for r in batch.batch.requests] == ["b", "c"] and last.close.session_id == "d"

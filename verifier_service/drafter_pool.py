@@ -42,6 +42,9 @@ def resolve_targets(target: str) -> list[str]:
 # NOTE: requests waiting to be written to one replica's stream. A healthy replica drains them at once; a
 # stalled one would otherwise grow the queue by a request per session and step.
 OUTBOX_LIMIT = 1024
+# NOTE: the most one batch message of requests holds. Batching pays for many small steps; a seed's features can
+# take megabytes, and a batch of them would pass the 64 MB message limit (proto/serving.py).
+BATCH_BYTES = 1 << 20
 
 
 class ReplicaLink:
@@ -74,21 +77,30 @@ class ReplicaLink:
         return self.info
 
     async def _requests(self) -> AsyncIterator[drafter_pb2.DrafterRequest]:
-        """The queued requests, all that wait at once in one batch message where the replica takes them: the
-        sessions of a verify step queue theirs in one turn of the loop, before this wakes."""
-        while (request := await self.outbox.get()) is not None:
+        """The queued requests, those that wait at once in one batch message where the replica takes them (the
+        sessions of a verify step queue theirs in one turn of the loop, before this wakes), up to BATCH_BYTES a
+        message: an Open carries its seed's features, and a batch must stay far below the message limit."""
+        carried, ended = None, False  # carried: taken from the queue, but past the last message's size
+        while not ended:
+            request = carried if carried is not None else await self.outbox.get()
+            carried = None
+            if request is None:
+                return
             if not (self.info and self.info.batches) or self.outbox.empty():
                 yield request
                 continue
-            requests, ended = [request], False
-            while not self.outbox.empty() and not ended:
+            batch, size = [request], request.ByteSize()
+            while not self.outbox.empty():
                 more = self.outbox.get_nowait()
                 ended = more is None
-                if not ended:
-                    requests.append(more)
-            yield drafter_pb2.DrafterRequest(batch=drafter_pb2.DrafterRequests(requests=requests))
-            if ended:
-                return
+                more_size = 0 if ended else more.ByteSize()
+                if ended or size + more_size > BATCH_BYTES:
+                    carried = more
+                    break
+                batch.append(more)
+                size += more_size
+            yield batch[0] if len(batch) == 1 else drafter_pb2.DrafterRequest(
+                batch=drafter_pb2.DrafterRequests(requests=batch))
 
     async def _read(self) -> None:
         try:
