@@ -195,6 +195,29 @@ def test_a_new_session_starts_from_what_the_others_saw() -> None:
     assert simulate(adaptive(costs, shared), costs, lambda _: 12, 10) == [15] * 10
 
 
+def test_pinned_sessions_teach_the_others_what_the_budgets_accept() -> None:
+    """An old record of failed drafts (a warm-up on text that did not repeat) is outweighed by the pinned sessions
+    that came after it, so a new adaptive session drafts from its first step instead of waiting for it to age."""
+    costs, shared = StepCosts(), Outcomes(SHARED_DECAY)
+    simulate(adaptive(costs, shared), costs, lambda _: 0, 8)
+    assert simulate(adaptive(costs, shared), costs, lambda _: MAX, 3)[0] == 0  # what the old record alone says
+    pinned = session_policy("adaptive", MAX, 31, costs, shared)
+    simulate(pinned, costs, lambda _: 31, 60)
+    assert shared.mean(31)[0] > 25 and shared.mean(63)[0] == pytest.approx(0, abs=1)  # 63 was never verified again
+    assert simulate(adaptive(costs, shared), costs, lambda _: MAX, 3)[0] == 31
+
+
+def test_one_empty_draft_is_forgiven_and_a_second_in_a_row_counts_as_a_failure() -> None:
+    """The n-gram drafter finds nothing to propose right after a prompt more often than not (the model has not
+    repeated anything yet); that one empty draft must not hold the session at budget 0 while its record ages."""
+    costs = StepCosts()
+    policy = adaptive(costs)
+    assert simulate(policy, costs, lambda _: 0, 1, found=False) == [MAX]
+    assert policy.choose(500) == MAX  # the empty draft taught nothing
+    assert simulate(policy, costs, lambda _: 0, 1, found=False) == [MAX]
+    assert policy.choose(500) == 0  # the second one in a row is a failure
+
+
 def test_a_text_that_never_repeats_is_seldom_drafted_and_drafts_return_when_it_does() -> None:
     """Nothing accepted: budget 0 wins, and the failed budgets' records age back towards hope ever more slowly;
     once the text turns predictable, the next return to a drafted budget finds it and climbs."""

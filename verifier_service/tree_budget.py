@@ -64,6 +64,14 @@ def accepted_within(path: list[int], budget: int) -> int:
     return next((i for i, node in enumerate(path) if node >= budget), len(path))
 
 
+def outcomes(candidates: tuple[int, ...], budget: int, tree: DraftTree,
+             accepted: list[int]) -> tuple[list[int], list[tuple[int, int, int]]]:
+    """The accepted path's nodes, and (b, accepted nodes, tree nodes) that each candidate b in 1..`budget` would
+    have had with the same best-first tree cut to b."""
+    path = accepted_nodes(tree, accepted)
+    return path, [(b, accepted_within(path, b), min(b, len(tree))) for b in candidates[1:] if b <= budget]
+
+
 @dataclass
 class DecayedMean:
     """A mean in which each value weighs `decay` times the next one: it follows a drifting quantity and, unlike an
@@ -182,15 +190,6 @@ class BudgetPolicy(Protocol):
         """A step ran with `budget`: `tree` verified (None when none came), `accepted` its accepted tokens."""
 
 
-@dataclass(frozen=True)
-class FixedBudget:
-    budget: int
-
-    def choose(self, context: int) -> int:
-        return self.budget
-
-    def observe(self, budget: int, tree: DraftTree | None, accepted: list[int]) -> None:
-        pass
 
 
 class Outcomes:
@@ -215,6 +214,24 @@ class Outcomes:
         return self.accepted[budget].weight
 
 
+@dataclass(frozen=True)
+class FixedBudget:
+    """One budget every step. With `shared` (a pinned request in a service of adaptive sessions), its trees still
+    teach the service's record what each smaller budget would have accepted."""
+
+    budget: int
+    shared: Outcomes | None = field(default=None, compare=False)
+    candidates: tuple[int, ...] = field(default=(), compare=False)  # the service's: what `shared` is kept for
+
+    def choose(self, context: int) -> int:
+        return self.budget
+
+    def observe(self, budget: int, tree: DraftTree | None, accepted: list[int]) -> None:
+        if self.shared is not None and tree is not None and budget:
+            for outcome in outcomes(self.candidates, budget, tree, accepted)[1]:
+                self.shared.add(*outcome)
+
+
 class AdaptiveBudget:
     """One session's budgets: each step the candidate with the most expected tokens per second of a batch of
     sessions like it, as many as the last batch had (a session in a batch of 64 weighs its tree of b nodes as 64
@@ -229,6 +246,7 @@ class AdaptiveBudget:
     never repeats is seldom drafted for). Its tree is taken at its full size meanwhile, which keeps those returns
     to small budgets where trees are dear.
 
+    An empty draft (the drafter found nothing to propose) counts as a failure only when the one before was empty too.
     Two more ways up: a path that ran into the tree's edge (it ended at a leaf of a tree the budget had cut) tries
     the next candidate up at the next step; and the maximum is verified again as often as keeps those explorations
     under `explore_share` of the batch's time (all its sessions' explorations together)."""
@@ -244,6 +262,7 @@ class AdaptiveBudget:
         self.since_max = 0  # steps since the last one at the maximum, that one included
         self.step_up: int | None = None  # the next step's budget after a path that ran into the edge
         self.last_rows = 1  # this session's rows in its last step
+        self.forgive_empty = True  # an empty draft is taken as a failure only after one that was empty too
 
     def choose(self, context: int) -> int:
         best = max(self.candidates, key=lambda b: (self.tokens_per_s(b, context), -b))
@@ -290,15 +309,19 @@ class AdaptiveBudget:
         self.last_rows = (len(tree) if tree else 0) + 1
         if tree is None or budget == 0:
             return
+        if not len(tree):  # NOTE: the drafter found nothing to propose; once is no sign that its trees would fail
+            forgiven, self.forgive_empty = self.forgive_empty, False
+            if forgiven:
+                return
+        else:
+            self.forgive_empty = True
         if budget == self.max_budget:
             self.since_max = 1
-        path = accepted_nodes(tree, accepted)
-        for b in self.candidates[1:]:
-            if b <= budget:
-                outcome = accepted_within(path, b), min(b, len(tree))
-                self.own.add(b, *outcome)
-                self.shared.add(b, *outcome)
-                self.verified_at[b] = self.steps
+        path, told = outcomes(self.candidates, budget, tree, accepted)
+        for outcome in told:
+            self.own.add(*outcome)
+            self.shared.add(*outcome)
+            self.verified_at[outcome[0]] = self.steps
         if len(tree) == budget and path and path[-1] not in tree.parents:
             self.step_up = next((b for b in self.candidates if b > budget), None)
 
@@ -310,6 +333,8 @@ def session_policy(policy: BudgetPolicyName, max_budget: int, pinned: int, costs
         raise InvalidArgument(f"tree_budget: {pinned} is negative (0 = the server's policy)")
     if pinned > max_budget:
         raise InvalidArgument(f"tree_budget: {pinned} is more than the server's maximum {max_budget}")
-    if pinned:
-        return FixedBudget(pinned)
-    return AdaptiveBudget(max_budget, costs, shared) if policy == "adaptive" else FixedBudget(max_budget)
+    if policy == "fixed":
+        return FixedBudget(pinned or max_budget)
+    if pinned:  # NOTE: its trees still tell the adaptive sessions what the budgets accept
+        return FixedBudget(pinned, shared, candidate_budgets(max_budget))
+    return AdaptiveBudget(max_budget, costs, shared)
