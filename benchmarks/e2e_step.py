@@ -32,6 +32,7 @@ from modeling.config import ModelConfig
 from modeling.dflash import DFlashConfig, DFlashModel
 from modeling.speculation import DrafterSeed, DraftStep
 from modeling.target import CausalLM
+from modeling.tiny import QWEN3_06B_SHAPE
 from modeling.tree import DraftTree
 from verifier_service.engine.config import EngineConfig
 from verifier_service.engine.engine import Engine
@@ -73,13 +74,16 @@ TINY_MLA = {**DEEPSEEK_V2_LITE, "vocab_size": 512, "hidden_size": 64, "intermedi
             "moe_intermediate_size": 32, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 4,
             "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 16, "v_head_dim": 16,
             "n_routed_experts": 8, "num_experts_per_tok": 2}
-SHAPE_NAMES = ("qwen3-8b", "glm-4.7-flash", "deepseek-v2-lite", "tiny", "tiny-mla")
+QWEN3_06B = {**QWEN3_8B, **QWEN3_06B_SHAPE, "vocab_size": 320}  # as throughput.py's random model (byte vocab)
+SHAPE_NAMES = ("qwen3-8b", "qwen3-0.6b", "glm-4.7-flash", "deepseek-v2-lite", "tiny", "tiny-mla")
 
 
 def shape_of(name: str) -> tuple[dict, dict, str]:
     """(target config, drafter config, device) of a shape; the tiny ones are smoke tests of this script."""
     if name == "qwen3-8b":
         return QWEN3_8B, dflash_shape(QWEN3_8B, [1, 9, 17, 25, 33], 32, 8, 128, 12288), "cuda"
+    if name == "qwen3-0.6b":
+        return QWEN3_06B, dflash_shape(QWEN3_06B, [1, 7, 13, 19, 25], 16, 8, 128, 3072), "cuda"
     if name == "glm-4.7-flash":
         import transformers
 

@@ -103,6 +103,7 @@ class CostModel:
     def __init__(self, prior_s: float, slope: float, decay: float = 0.9):
         self.prior_s, self.slope, self.decay = prior_s, slope, decay
         self.rows: dict[int, dict[int, DecayedMean]] = {}  # context bucket -> size bucket -> seconds
+        self.memo: dict[tuple[int, int], float] = {}  # (size bucket, context bucket) -> seconds, until an observe
 
     def prior(self, size: float) -> float:
         return self.prior_s * self._shape(size)
@@ -112,37 +113,51 @@ class CostModel:
 
     def observe(self, size: float, context: int, seconds: float) -> None:
         self.rows.setdefault(bucket(context), {}).setdefault(bucket(size), DecayedMean(self.decay)).add(seconds)
+        self.memo.clear()
 
     def estimate(self, size: float, context: int) -> float:
         """Seconds at `size`: on the line between the estimates of its bucket and the one below, each taken at its
         bucket's top (two sizes of one bucket, 65 and 127 rows say, must not look equally costly, and a size just
         past a bucket's top must not look cheaper than the top)."""
-        key = bucket(size)
-        upper = self._bucket_estimate(key, context)
+        key, context_key = bucket(size), bucket(context)
+        upper = self._bucket_estimate(key, context_key)
         if key == 1:
             return upper
-        lower = self._bucket_estimate(key // 2, context)
+        lower = self._bucket_estimate(key // 2, context_key)
         return lower + (upper - lower) * (size - key // 2) / (key // 2)
 
-    def _bucket_estimate(self, key: int, context: int) -> float:
+    def _bucket_estimate(self, key: int, context_key: int) -> float:
+        """Seconds at the top of bucket `key`, remembered until the next measurement (every session asks a dozen
+        of these per step, and the batch's measurements change once per step)."""
+        known = self.memo.get((key, context_key))
+        if known is None:
+            known = self.memo[key, context_key] = self._measured_estimate(key, context_key)
+        return known
+
+    def _measured_estimate(self, key: int, context_key: int) -> float:
         if not self.rows:
             return self.prior(key)
-        near = bucket(context).bit_length()
-        nearest = self.rows[min(self.rows, key=lambda c: (abs(c.bit_length() - near), c))]
-        row = {k: mean.value for k, mean in nearest.items()}
+        row = self._nearest_row(context_key)
         if key in row:
-            return row[key]
+            return row[key].value
         lower = max((k for k in row if k < key), default=None)
         upper = min((k for k in row if k > key), default=None)
         if lower is not None and upper is not None:
-            return row[lower] + (row[upper] - row[lower]) * (key - lower) / (upper - lower)
+            low, high = row[lower].value, row[upper].value
+            return low + (high - low) * (key - lower) / (upper - lower)
         side = sorted(k for k in row if k < key)[-2:] if upper is None else sorted(k for k in row if k > key)[:2]
         if len(side) == 2:  # NOTE: along the line through the two nearest measured sizes (a step is affine in rows)
             near_size, far_size = (side[1], side[0]) if upper is None else side
-            slope = (row[far_size] - row[near_size]) / (far_size - near_size)
-            return max(row[near_size] + slope * (key - near_size), min(row[k] for k in side))
+            near, far = row[near_size].value, row[far_size].value
+            slope = (far - near) / (far_size - near_size)
+            return max(near + slope * (key - near_size), min(near, far))
         known = lower if lower is not None else upper
-        return row[known] * self.prior(key) / self.prior(known)
+        return row[known].value * self.prior(key) / self.prior(known)
+
+    def _nearest_row(self, context_key: int) -> dict[int, DecayedMean]:
+        """The measured row of the context bucket nearest to `context_key` (in powers of two)."""
+        near = context_key.bit_length()
+        return self.rows[min(self.rows, key=lambda c: (abs(c.bit_length() - near), c))]
 
 
 class BatchShape(NamedTuple):
