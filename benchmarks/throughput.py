@@ -6,6 +6,7 @@
         [--concurrency 1 16 64 128]   # writes a random model of that shape
     python benchmarks/throughput.py --tiny --context 512 --concurrency 1 4   # CPU smoke run
     python benchmarks/throughput.py --tiny --tree-budgets 7 15 31 63 adaptive   # one speculative run per choice
+    python benchmarks/throughput.py ... --repeats 3   # medians over alternating runs (single runs swing by 20%+)
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import statistics
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 from e2e_step import QWEN3_8B, copy_bandwidth
@@ -38,14 +40,54 @@ def prompts(count: int, context_chars: int) -> list[str]:
     return [f"Session {i}. " + body[: context_chars] for i in range(count)]
 
 
-async def run_sessions(gateway: str, texts: list[str], max_new_tokens: int, tree_budget: int = 0) -> dict:
+class FullWindow:
+    """The stretch of a run in which every session decodes: from the last session's first token to the first
+    session's last. Its tokens over its seconds is the batch's decode rate with no prefill sharing the GPU and no
+    tail of stragglers; `snapshot` (the verifier's histograms) is taken at both ends."""
+
+    def __init__(self, sessions: int, snapshot: Callable[[], object]):
+        self.sessions, self.snapshot = sessions, snapshot
+        self.started, self.tokens = 0, 0
+        self.opened_at: float | None = None
+        self.closed_at: float | None = None
+        self.snapshots: list[object] = []
+
+    def chunk(self, first: bool, tokens: int, now: float) -> None:
+        if self.closed_at is not None:
+            return
+        if self.opened_at is not None:
+            self.tokens += tokens
+        elif first:
+            self.started += 1
+            if self.started == self.sessions:
+                self.opened_at = now
+                self.snapshots.append(self.snapshot())
+
+    def finish(self, now: float) -> None:
+        if self.closed_at is None:
+            self.closed_at = now
+            if self.opened_at is not None:
+                self.snapshots.append(self.snapshot())
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        """None when a session finished before the last one started (no moment had them all decoding)."""
+        return self.tokens / (self.closed_at - self.opened_at) if len(self.snapshots) == 2 else None
+
+
+async def run_sessions(gateway: str, texts: list[str], max_new_tokens: int, tree_budget: int = 0,
+                       window: FullWindow | None = None) -> dict:
     client = AsyncClient(gateway, timeout=3600)
+    window = window or FullWindow(len(texts), lambda: None)
 
     async def one(text: str):
         generation = client.generate(text, max_new_tokens=max_new_tokens, ignore_eos=True, tree_budget=tree_budget)
         record = RequestRecord(time.perf_counter())
         async for chunk in generation:
-            record.add_chunk(len(chunk.token_ids), time.perf_counter())
+            now = time.perf_counter()
+            window.chunk(record.ttft_s is None, len(chunk.token_ids), now)
+            record.add_chunk(len(chunk.token_ids), now)
+        window.finish(time.perf_counter())
         summary = generation.summary
         decode_s = (summary.e2e_ms - summary.ttft_ms) / 1e3
         return (len(generation.token_ids), summary.mean_acceptance_length, generation.token_ids, summary.ttft_ms,
@@ -56,6 +98,7 @@ async def run_sessions(gateway: str, texts: list[str], max_new_tokens: int, tree
     elapsed = time.perf_counter() - started
     itl = distribution_ms([gap for r in results for gap in r[5]]) or {"p50": 0.0, "p99": 0.0}
     return {"tokens_per_s": sum(r[0] for r in results) / elapsed, "seconds": elapsed,
+            "full_window_tokens_per_s": window.tokens_per_s,
             "mean_acceptance_length": statistics.mean(r[1] for r in results), "outputs": [r[2] for r in results],
             "mean_ttft_ms": statistics.mean(r[3] for r in results),
             "decode_tokens_per_s": sum(r[4] for r in results), "itl_p50_ms": itl["p50"], "itl_p99_ms": itl["p99"]}
@@ -113,9 +156,12 @@ def budget_shares(before: dict[str, float], after: dict[str, float]) -> dict[str
 
 
 def measure(target: str, drafter: str, device: str, verifier_args: tuple[str, ...], concurrency: list[int],
-            context_chars: int, max_new_tokens: int, pins: dict[str, int]) -> dict[tuple[int, str], dict]:
-    """One run per (concurrency, choice) on one stack; a choice pins the requests' tree budget (0: the verifier's
-    policy). Each run also reports the mean budget its steps chose and its engine steps' mean sessions and time."""
+            context_chars: int, max_new_tokens: int, pins: dict[str, int],
+            repeats: int = 1) -> dict[tuple[int, str, int], dict]:
+    """Runs per (concurrency, choice, repeat) on one stack; a choice pins the requests' tree budget (0: the
+    verifier's policy), and every other repeat takes the choices in reverse order (the first run at a concurrency
+    pays for new shapes). Each run also reports the mean budget its steps chose and its engine steps' mean sessions
+    and time, over the whole run and over its full window."""
     metrics_port = free_port()
     verifier_args = (*verifier_args, "--metrics-port", str(metrics_port))
     metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
@@ -125,13 +171,51 @@ def measure(target: str, drafter: str, device: str, verifier_args: tuple[str, ..
                     gateway_args=sessions) as stack:
         asyncio.run(run_sessions(stack.addresses["gateway"], prompts(1, 256), 8))  # warm-up (kernels, caches)
         for c in concurrency:
-            for choice, pin in pins.items():
-                before, budgets_before = histogram_totals(metrics_url), budget_counts(metrics_url)
-                run = asyncio.run(run_sessions(stack.addresses["gateway"], prompts(c, context_chars), max_new_tokens,
-                                               pin))
-                runs[c, choice] = {**run, **histogram_means(before, histogram_totals(metrics_url)),
-                                   "budget_shares": budget_shares(budgets_before, budget_counts(metrics_url))}
+            for repeat in range(repeats):
+                for choice, pin in (reversed if repeat % 2 else list)(pins.items()):
+                    before, budgets_before = histogram_totals(metrics_url), budget_counts(metrics_url)
+                    window = FullWindow(c, lambda: histogram_totals(metrics_url))
+                    run = asyncio.run(run_sessions(stack.addresses["gateway"], prompts(c, context_chars),
+                                                   max_new_tokens, pin, window))
+                    full = histogram_means(*window.snapshots) if len(window.snapshots) == 2 else {}
+                    runs[c, choice, repeat] = {
+                        **run, **histogram_means(before, histogram_totals(metrics_url)),
+                        "full_window": {key: full.get(f"mean_{key}") for key in ("batch_seconds", "batch_sessions")},
+                        "budget_shares": budget_shares(budgets_before, budget_counts(metrics_url))}
     return runs
+
+
+def none_or(value: float | None, scale: float) -> float | None:
+    return None if value is None else value * scale
+
+
+def pair(values: list[float | None], spec: str) -> str:
+    return " / ".join("-" if v is None else format(v, spec) for v in values)
+
+
+def summary(rows: list[dict]) -> list[str]:
+    """Per (sessions, choice): the medians over its runs, and each against the best fixed budget's median (the
+    adaptive target: at least 0.95)."""
+    medians: dict[tuple[int, str], tuple[int, float, float | None]] = {}
+    for c, choice in dict.fromkeys((r["concurrency"], r["tree_budget"]) for r in rows):
+        runs = [r for r in rows if (r["concurrency"], r["tree_budget"]) == (c, choice)]
+        windows = [r["full_window_tokens_per_s"][0] for r in runs if r["full_window_tokens_per_s"][0] is not None]
+        medians[c, choice] = (len(runs), statistics.median(r["speculative_tokens_per_s"] for r in runs),
+                              statistics.median(windows) if windows else None)
+    lines = ["| sessions | tree budget | runs | median tok/s | / best fixed | median full-window tok/s "
+             "| / best fixed |",
+             "|---|---|---|---|---|---|---|"]
+    for (c, choice), (runs, total, window) in medians.items():
+        fixed = [m for (c2, ch), m in medians.items() if c2 == c and ch != "adaptive"]
+        best_total = max((m[1] for m in fixed), default=None)
+        best_window = max((m[2] for m in fixed if m[2] is not None), default=None)
+        lines.append(f"| {c} | {choice} | {runs} | {total:.0f} | {pair([ratio(total, best_total)], '.2f')} "
+                     f"| {pair([window], '.0f')} | {pair([ratio(window, best_window)], '.2f')} |")
+    return lines
+
+
+def ratio(value: float | None, best: float | None) -> float | None:
+    return None if value is None or not best else value / best
 
 
 def main() -> None:
@@ -152,6 +236,9 @@ def main() -> None:
                         help="one speculative run per choice on the same stack: a budget pinned by the requests, or "
                              "'adaptive' (the verifier's policy); the verifier's maximum is the largest number given "
                              "(default: the --tree-budget run alone)")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="runs of every choice at each concurrency, every other one in reverse order; the summary "
+                             "gives medians")
     parser.add_argument("--verifier-arg", action="append", default=[], metavar="WORDS",
                         help="more words for the verifier, e.g. \"--gil-switch-interval-ms 5\" (repeatable)")
     parser.add_argument("--out-dir", type=Path, default=Path(__file__).parent / "results")
@@ -172,16 +259,17 @@ def main() -> None:
                      *(word for value in args.verifier_arg for word in shlex.split(value)))
     bandwidth = copy_bandwidth(args.device)
     spec_runs = measure(target, args.drafter, args.device, verifier_args, args.concurrency, args.context,
-                        args.max_new_tokens, pins)
+                        args.max_new_tokens, pins, args.repeats)
     plain_runs = measure(target, "none", args.device, verifier_args, args.concurrency, args.context,
-                         args.max_new_tokens, {"plain": 0})
+                         args.max_new_tokens, {"plain": 0}, args.repeats)
     rows, mean_context = [], args.context + args.max_new_tokens // 2  # NOTE: the prompt's tokens, ~ its characters
-    for (c, choice), spec in spec_runs.items():
-        plain = plain_runs[c, "plain"]
+    for (c, choice, repeat), spec in spec_runs.items():
+        plain = plain_runs[c, "plain", repeat]
         same = [a == b for a, b in zip(spec["outputs"], plain["outputs"])]
         if args.device == "cpu":  # NOTE: fp32: the two paths must agree token for token
             assert all(same), f"speculative output (tree budget {choice}) differs from plain decoding"
-        rows.append({"concurrency": c, "tree_budget": choice, "mean_tree_budget": spec["mean_tree_budget"],
+        rows.append({"concurrency": c, "tree_budget": choice, "run": repeat + 1,
+                     "mean_tree_budget": spec["mean_tree_budget"],
                      "budget_shares": spec["budget_shares"],
                      "speculative_tokens_per_s": spec["tokens_per_s"],
                      "plain_tokens_per_s": plain["tokens_per_s"],
@@ -195,6 +283,10 @@ def main() -> None:
                      "plain_floor_tokens_per_s": plain_floor_tokens_per_s(target, c, mean_context, bandwidth),
                      "batch_sessions": [spec["mean_batch_sessions"], plain["mean_batch_sessions"]],
                      "batch_ms": [spec["mean_batch_seconds"] * 1e3, plain["mean_batch_seconds"] * 1e3],
+                     "full_window_tokens_per_s": [spec["full_window_tokens_per_s"], plain["full_window_tokens_per_s"]],
+                     "full_window_batch_ms": [none_or(run["full_window"]["batch_seconds"], 1e3)
+                                              for run in (spec, plain)],
+                     "full_window_batch_sessions": [run["full_window"]["batch_sessions"] for run in (spec, plain)],
                      "mean_agreeing_prefix": statistics.mean(agreeing_prefix(a, b) for a, b in
                                                             zip(spec["outputs"], plain["outputs"]))})
     command = "python " + " ".join(sys.argv)
@@ -208,8 +300,9 @@ def main() -> None:
              "| decode tok/s, speculative / plain | plain floor tok/s | sessions per step, speculative / plain "
              "| ms per engine step, speculative / plain | ITL p50 / p99 ms, speculative | ITL p50 / p99 ms, plain "
              "| mean TTFT ms, speculative / plain | mean acceptance "
-             "| identical outputs | tokens agreeing before the first difference |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| identical outputs | tokens agreeing before the first difference "
+             "| full window: tok/s, speculative / plain | full window: ms per engine step, speculative / plain | run |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     lines += [f"| {r['concurrency']} | {r['tree_budget']} | {r['mean_tree_budget']:.1f} "
               f"| {r['speculative_tokens_per_s']:.1f} | {r['plain_tokens_per_s']:.1f} | "
               f"{r['speedup']:.2f}x | {r['speculative_decode_tokens_per_s']:.0f} / "
@@ -220,7 +313,10 @@ def main() -> None:
               f"| {r['plain_itl_ms'][0]:.1f} / {r['plain_itl_ms'][1]:.1f} "
               f"| {r['speculative_mean_ttft_ms']:.0f} / {r['plain_mean_ttft_ms']:.0f} "
               f"| {r['mean_acceptance_length']:.2f} | {r['identical_outputs']}/{r['concurrency']} "
-              f"| {r['mean_agreeing_prefix']:.1f} of {args.max_new_tokens} |" for r in rows]
+              f"| {r['mean_agreeing_prefix']:.1f} of {args.max_new_tokens} "
+              f"| {pair(r['full_window_tokens_per_s'], '.0f')} | {pair(r['full_window_batch_ms'], '.1f')} "
+              f"| {r['run']} |" for r in rows]
+    lines += ["", *summary(rows)]
     note = ("tok/s counts every generated token over the wall time of the whole run, prefill included; decode "
             "tok/s sums each session's rate after its first token; TTFT is request to first token (the prefill, "
             "queued behind the other sessions' prefills). A tree budget is pinned by every request of its run "
@@ -229,11 +325,13 @@ def main() -> None:
             "ITL is each streamed chunk's gap shared by its tokens, over all sessions. The plain floor is the sessions "
             "over a step that reads the weights and every session's KV once at the copy bandwidth measured here. "
             "Sessions per step and ms per engine step are the means over the run's engine verify steps (the batch's "
-            "wall time in the engine, host work included; prefill chunks not counted). "
+            "wall time in the engine, host work included; prefill chunks not counted). The full window is the "
+            "stretch in which every session decodes (from the last first token to the first finish; '-' when there "
+            "was none): no prefill shares the GPU there, and no tail of stragglers. "
             "On the CPU (fp32) the outputs are asserted equal. In bf16 the verify step (prefix partials merged with "
             "the tree block) and a plain step round differently, so near-tied argmaxes can flip (counted here).")
-    chosen = [f"- {r['concurrency']} sessions: " + ", ".join(f"{budget}: {share:.0%}" for budget, share in
-                                                         r["budget_shares"].items())
+    chosen = [f"- {r['concurrency']} sessions, run {r['run']}: "
+              + ", ".join(f"{budget}: {share:.0%}" for budget, share in r["budget_shares"].items())
               for r in rows if r["tree_budget"] == "adaptive"]
     if chosen:
         note += ("\n\nBudgets the adaptive runs chose (share of steps after each generation's first):\n"

@@ -95,3 +95,25 @@ def test_gpu_only_benchmarks_import_and_parse_their_options() -> None:
     """The MLA attention and MoE layer benchmarks have no CPU mode: at least their imports and options must hold."""
     run_benchmark("verify_attention.py", "--mla", "--help")
     run_benchmark("moe_layer.py", "--help")
+
+
+def test_the_full_window_runs_from_the_last_first_token_to_the_first_finish(monkeypatch) -> None:
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from benchmarks.throughput import FullWindow
+
+    snapshots = iter(range(10))
+    window = FullWindow(2, lambda: next(snapshots))
+    window.chunk(True, 1, 0.0)  # session a's first token: b has none yet
+    window.chunk(False, 5, 0.5)  # before the window: not counted
+    window.chunk(True, 1, 1.0)  # session b's first token opens it
+    window.chunk(False, 4, 2.0)
+    window.chunk(False, 6, 3.0)
+    window.finish(3.0)  # a finishes: the window closes
+    window.chunk(False, 9, 4.0)
+    window.finish(4.0)
+    assert window.tokens_per_s == pytest.approx(10 / 2.0) and window.snapshots == [0, 1]
+    early = FullWindow(2, lambda: 0)
+    early.chunk(True, 1, 0.0)
+    early.finish(1.0)  # a finished before b started: no moment had both decoding
+    early.chunk(True, 1, 2.0)
+    assert early.tokens_per_s is None and early.snapshots == []
