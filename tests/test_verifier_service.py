@@ -226,6 +226,38 @@ def test_steps_that_trickle_in_share_one_step_while_waiting_costs_less_than_a_st
     assert len(batches) > 1 and batches[0] < 6
 
 
+def test_a_session_that_skips_its_draft_waits_for_the_ones_still_drafting(tiny_target) -> None:
+    """Budget 0 queues at once; the drafting session comes a draft's round trip later, past the gap allowed: it
+    still joins the same step while it is known to be drafting (within the last step's time), and does not
+    when it is not."""
+    engine = make_engine(tiny_target)
+    batches = []
+    engine.step = lambda work: batches.append(sorted(sid for sid, _ in work)) or [None] * len(work)
+
+    async def main(known_drafting: bool) -> None:
+        worker = EngineWorker()
+        drafting = {"b"}
+        batcher = StepBatcher(engine, worker, lambda: 2, batch_wait_s=0.03,
+                              drafting=lambda: len(drafting) if known_drafting else 0)
+        batcher.last_step_s = 0.5
+        batcher.start()
+
+        async def drafted() -> None:
+            await asyncio.sleep(0.1)
+            drafting.discard("b")
+            await batcher.submit("b", DraftTree.empty())
+
+        await asyncio.gather(batcher.submit("a", DraftTree.empty()), drafted())
+        await batcher.stop()
+        worker.shutdown()
+
+    asyncio.run(main(True))
+    assert batches == [["a", "b"]]
+    batches.clear()
+    asyncio.run(main(False))
+    assert batches == [["a"], ["b"]]
+
+
 def test_a_drafter_that_reads_features_gets_its_graphs_captured_before_the_first_step(tiny_target) -> None:
     """Start-up captures graphs that return no features (no replica answered); the drafter's layers arrive
     later and get theirs."""

@@ -1,11 +1,11 @@
 """Batches the verify steps of concurrent sessions into one forward. Before a step it waits for every stepping
 session to queue: one that is still streaming its last step or drafting its next tree joins this step instead of
 starting the next one, so sessions step together rather than drifting into half-full batches that each read all
-the weights. The wait lasts `batch_wait_s`, longer while steps keep arriving within `batch_wait_s` of each other,
-but never longer than the last step took: drafts of many sessions trickle in one by one (a drafter serves them
-in turn), and waiting for the last of them pays while it costs less than another step. A step takes at most the
-engine's max_batch_tokens rows and max_batch_sessions sessions, the longest-waiting first; the rest wait for the
-next step, so an overload raises latency instead of failing steps."""
+the weights. The wait lasts `batch_wait_s`, longer while steps keep arriving within `batch_wait_s` of each other
+or while a stepping session waits for its draft, but never longer than the last step took: drafts of many sessions
+trickle in one by one (a drafter serves them in turn), and waiting for the last of them pays while it costs less
+than another step. A step takes at most the engine's max_batch_tokens rows and max_batch_sessions sessions, the
+longest-waiting first; the rest wait for the next step, so an overload raises latency instead of failing steps."""
 
 from __future__ import annotations
 
@@ -33,11 +33,13 @@ class _Pending:
 class StepBatcher:
     def __init__(self, engine: Engine, worker: EngineWorker, stepping: Callable[[], int],
                  observe: Callable[[list[Step], list[StepResult], float], None] = lambda steps, results, seconds: None,
-                 batch_wait_s: float = 0.005):
+                 batch_wait_s: float = 0.005, drafting: Callable[[], int] = lambda: 0):
         """stepping: how many sessions are in their step loops (in a step, between steps, or queued here); observe:
         told each batch's steps, results and wall time; batch_wait_s: the gap between arriving steps that ends a
-        step's wait for the stepping sessions not queued yet (see the module's docstring)."""
+        step's wait for the stepping sessions not queued yet (see the module's docstring); drafting: how many of
+        them wait for a draft (no gap ends the wait for those: only the last step's time does)."""
         self.engine, self.worker, self.stepping, self.observe = engine, worker, stepping, observe
+        self.drafting = drafting
         self.batch_wait_s = batch_wait_s
         self.queue: list[_Pending] = []
         self.queued_rows = 0  # NOTE: kept, not summed: every submit asks whether the queue holds a batch
@@ -104,7 +106,10 @@ class StepBatcher:
         while self.queue and not self._gathered():
             # NOTE: from the gather's start too: steps queued during the last step must not leave at once, or the
             # sessions of that step (about to queue again) would form a second batch of their own, every step
-            left = min(cap, max(start, self.last_arrival) + self.batch_wait_s) - loop.time()
+            # NOTE: a session that skips its draft queues a draft's round trip before the ones that wait for theirs:
+            # the gap between them is no sign that the rest went elsewhere (an adaptive batch split in two by it)
+            gap_end = max(start, self.last_arrival) + self.batch_wait_s
+            left = (cap if self.drafting() else min(cap, gap_end)) - loop.time()
             if left <= 0:
                 return
             self.wakeup.clear()

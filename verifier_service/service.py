@@ -91,7 +91,9 @@ class VerifierService:
         self.background: set[asyncio.Task] = set()  # aborted prefills, releases of sessions whose caller went away
         self.reaper: asyncio.Task | None = None
         metrics.watch(engine, self.generating)
-        self.batcher = StepBatcher(engine, self.worker, lambda: len(self.stepping), self._observe_batch, batch_wait_s)
+        self.drafting: set[str] = set()  # sessions waiting for a draft: the batcher waits for them
+        self.batcher = StepBatcher(engine, self.worker, lambda: len(self.stepping), self._observe_batch, batch_wait_s,
+                                   lambda: len(self.drafting))
         self.down_reason: str | None = None  # set once the engine is down: every engine call fails with it
         self.down_signal: asyncio.Future | None = None  # done once the engine is down; what engine calls race
         self.warming: asyncio.Future | None = None
@@ -343,7 +345,11 @@ class VerifierService:
             return None
         if budget == 0:  # NOTE: the cursor keeps this step's tokens for the next draft
             return DraftTree.empty()
-        tree = await self.drafters.draft(cursor.draft_step(root, budget))
+        self.drafting.add(cursor.session_id)
+        try:
+            tree = await self.drafters.draft(cursor.draft_step(root, budget))
+        finally:
+            self.drafting.discard(cursor.session_id)
         if tree is None:
             self.metrics.draft_misses.inc()
             return None
