@@ -91,7 +91,7 @@ def tokens_per_s(new_policy: Callable[[StepCosts], BudgetPolicy], sessions: int,
             if budget:
                 costs.observe_draft(budget, CONTEXT, DRAFT_S)
             accepted = 0 if made[i] < workload.warmup else min(workload.accept, budget, CHAIN)
-            policy.observe(budget, tree, list(tree.tokens[:accepted]))
+            policy.observe(budget, tree, list(range(accepted)))  # the chain's first nodes
             made[i] += 1 + accepted
             total += 1 + accepted
             if made[i] >= tokens:

@@ -55,11 +55,15 @@ class DraftTree:
     def max_depth(self) -> int:
         return max(self.depths, default=0)
 
+    def kept(self, max_depth: int) -> list[int]:
+        """The indices of the nodes at depth <= max_depth: node i of `truncated(max_depth)` is node kept[i] here."""
+        return [i for i, d in enumerate(self.depths) if d <= max_depth]
+
     def truncated(self, max_depth: int) -> DraftTree:
         """The subtree of nodes at depth <= max_depth (parents re-indexed)."""
         if self.max_depth() <= max_depth:
             return self
-        keep = [i for i, d in enumerate(self.depths) if d <= max_depth]
+        keep = self.kept(max_depth)
         new_index = {old: new for new, old in enumerate(keep)}
         new_index[-1] = -1
         return DraftTree(tuple(self.tokens[i] for i in keep), tuple(new_index[self.parents[i]] for i in keep),

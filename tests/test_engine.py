@@ -188,6 +188,24 @@ def test_generation_stops_at_max_context(new_engine) -> None:
     assert len(session.tokens) == 50 and len(got) == 5 and results[-1].finished == StopReason.CONTEXT_LIMIT
 
 
+def test_a_path_in_a_tree_cut_to_the_context_names_the_nodes_as_drafted(new_engine) -> None:
+    """Near the context's end the engine verifies the tree cut to the room left, which re-indexes its nodes; the
+    path it reports (what the budget policy learns from) still names them as the drafter numbered them."""
+    engine = new_engine(max_context=50)
+    prompt = prompt_of(45)
+    params = SamplingParams(max_new_tokens=100, ignore_eos=True)
+    first, second = plain_generate(engine, prompt, SamplingParams(max_new_tokens=2, ignore_eos=True))[:2]
+    session, _ = engine.create_session(prompt)
+    engine.start_generation(session.session_id, params)
+    (result,) = engine.step([(session.session_id, DraftTree.empty())])  # the first step emits `first`
+    wrong = (second + 1) % engine.model_config.vocab_size
+    # nodes 0-5: a chain of six wrong tokens, deeper than the room left; node 6: the right token at depth 1
+    tree = DraftTree((wrong,) * 6 + (second,), (-1, 0, 1, 2, 3, 4, -1), (1, 2, 3, 4, 5, 6, 1))
+    (result,) = engine.step([(session.session_id, tree)])
+    assert result.accepted == [second] and result.path == [6]
+    engine.release_session(session.session_id)
+
+
 def test_stop_token_and_stop_string_cut_the_output(new_engine) -> None:
     engine = new_engine()
     prompt = prompt_of(30)

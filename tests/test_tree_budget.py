@@ -40,7 +40,6 @@ from verifier_service.tree_budget import (
     FixedBudget,
     Outcomes,
     StepCosts,
-    accepted_nodes,
     accepted_within,
     bucket,
     candidate_budgets,
@@ -78,12 +77,9 @@ def assert_prefixes(trees: dict[int, DraftTree]) -> None:
 def test_a_hand_built_tree_tells_what_each_smaller_budget_would_have_accepted() -> None:
     # 0:a  1:b  2:a/c  3:a/d  4:a/c/e  5:b/f  6:a/c/e/g
     tree = DraftTree((10, 11, 12, 13, 14, 15, 16), (-1, -1, 0, 0, 2, 1, 4), (1, 1, 2, 2, 3, 2, 4))
-    path = accepted_nodes(tree, [10, 12, 14, 16])
+    path, _ = accept_path(tree, [10, 12, 99, 14, 99, 16, 99, 99])  # the target's token at the root, then per node
     assert path == [0, 2, 4, 6]
     assert [accepted_within(path, b) for b in (0, 1, 2, 3, 4, 5, 6, 7)] == [0, 1, 1, 2, 2, 3, 3, 4]
-    # duplicate siblings: the walk takes the first, as the engine does
-    twins = DraftTree((5, 5, 6), (-1, -1, 1), (1, 1, 2))
-    assert accepted_nodes(twins, [5]) == [0]
 
 
 def test_the_counterfactual_is_what_the_engine_walk_accepts_on_the_prefix_tree() -> None:
@@ -101,7 +97,6 @@ def test_the_counterfactual_is_what_the_engine_walk_accepts_on_the_prefix_tree()
         truth = [rng.randrange(4) for _ in range(50)]  # the target's token after depth d, whatever the path
         targets = [truth[0]] + [truth[d] for d in depths]
         path, _ = accept_path(tree, targets)
-        assert accepted_nodes(tree, [tree.tokens[i] for i in path]) == path
         for b in range(len(tree) + 1):
             small_path, _ = accept_path(prefix(tree, b), targets[:b + 1])
             assert accepted_within(path, b) == len(small_path)
@@ -165,12 +160,12 @@ def simulate(policy: AdaptiveBudget, costs: StepCosts, accepts, steps: int, foun
     for step in range(steps):
         budget = policy.choose(context=500)
         tree = DraftTree.chain(list(range(budget if found else 0)))
-        accepted = list(tree.tokens[:accepts(step)])
+        path = list(range(min(accepts(step), len(tree))))  # the chain's first nodes
         if budget:
             costs.observe_draft(budget, 500, 0.002)
         batch = BatchShape(1 + others, others + len(tree) + 1)
         costs.observe_batch(batch, 500, verify_s(batch.rows))
-        policy.observe(budget, tree, accepted)
+        policy.observe(budget, tree, path)
         chosen.append(budget)
     return chosen
 

@@ -328,7 +328,7 @@ class VerifierService:
                     self.metrics.tree_budget.observe(budget)
                 if tree is not None and budget and not seeding:  # NOTE: opening a mirror is no cost of its steps
                     self.step_costs.observe_draft(budget, context, drafted - started)
-                budgets.observe(budget, tree, result.accepted)
+                budgets.observe(budget, tree, result.path)
                 event = StepEvent(cursor.step, result, len(verifying), drafted - started, verified - drafted)
                 cursor.advance(result.committed, result.features, result.commit_start, drafted=budget > 0)
                 yield event

@@ -45,19 +45,6 @@ def candidate_budgets(max_budget: int) -> tuple[int, ...]:
     return (0, *powers, max_budget) if max_budget > 0 else (0,)
 
 
-def accepted_nodes(tree: DraftTree, accepted: list[int]) -> list[int]:
-    """The node indices of the accepted path, walked from its tokens as the engine walked them (the first
-    matching child wins)."""
-    children: dict[tuple[int, int], int] = {}
-    for node, (token, parent) in enumerate(zip(tree.tokens, tree.parents)):
-        children.setdefault((parent, token), node)
-    path, node = [], -1
-    for token in accepted:
-        node = children[(node, token)]
-        path.append(node)
-    return path
-
-
 def accepted_within(path: list[int], budget: int) -> int:
     """What a budget-`budget` prefix of the same best-first tree would have accepted: the longest prefix of the
     path whose nodes are all below `budget`."""
@@ -65,11 +52,10 @@ def accepted_within(path: list[int], budget: int) -> int:
 
 
 def outcomes(candidates: tuple[int, ...], budget: int, tree: DraftTree,
-             accepted: list[int]) -> tuple[list[int], list[tuple[int, int, int]]]:
-    """The accepted path's nodes, and (b, accepted nodes, tree nodes) that each candidate b in 1..`budget` would
-    have had with the same best-first tree cut to b."""
-    path = accepted_nodes(tree, accepted)
-    return path, [(b, accepted_within(path, b), min(b, len(tree))) for b in candidates[1:] if b <= budget]
+             path: list[int]) -> list[tuple[int, int, int]]:
+    """(b, accepted nodes, tree nodes) that each candidate b in 1..`budget` would have had with the same best-first
+    tree cut to b, given the accepted `path` (node indices) of the tree verified."""
+    return [(b, accepted_within(path, b), min(b, len(tree))) for b in candidates[1:] if b <= budget]
 
 
 @dataclass
@@ -179,16 +165,22 @@ class StepCosts:
     verify: CostModel = field(default_factory=lambda: CostModel(prior_s=0.010, slope=1 / 64))
     draft: CostModel = field(default_factory=lambda: CostModel(prior_s=0.002, slope=0.0))
     batch: BatchShape = BatchShape(1, 1)
+    drafts: list[tuple[int, int, float]] = field(default_factory=list)  # measured since the last verify step
 
     def observe_batch(self, batch: BatchShape, context: int, seconds: float) -> None:
-        """A verify step of the batcher took `seconds`; `context`: its sessions' mean KV length."""
+        """A verify step of the batcher took `seconds`; `context`: its sessions' mean KV length. The drafts of
+        the step's sessions are learnt now too, so the models change once per step and their estimates are
+        remembered in between (a batch's sessions ask them a dozen times each)."""
+        for draft in self.drafts:
+            self.draft.observe(*draft)
+        self.drafts.clear()
         self.verify.observe(batch.rows, context, seconds)
         self.batch = batch
 
     def observe_draft(self, budget: int, context: int, seconds: float) -> None:
         """A draft of `budget` nodes came back after `seconds` (a miss is no cost of drafting: a stalled drafter is
-        not waited on again)."""
-        self.draft.observe(budget, context, seconds)
+        not waited on again); learnt at the next verify step."""
+        self.drafts.append((budget, context, seconds))
 
     def seconds(self, budget: int, nodes: float, context: int, besides: float) -> float:
         """A step in which this session's tree has `nodes` nodes (budget 0: no draft at all) and the other
@@ -201,8 +193,8 @@ class BudgetPolicy(Protocol):
     def choose(self, context: int) -> int:
         """The budget of the next step of a session whose KV holds `context` tokens."""
 
-    def observe(self, budget: int, tree: DraftTree | None, accepted: list[int]) -> None:
-        """A step ran with `budget`: `tree` verified (None when none came), `accepted` its accepted tokens."""
+    def observe(self, budget: int, tree: DraftTree | None, path: list[int]) -> None:
+        """A step ran with `budget`: `tree` verified (None when none came), `path` its accepted nodes."""
 
 
 
@@ -212,21 +204,26 @@ class Outcomes:
 
     def __init__(self, decay: float):
         self.decay = decay
-        self.accepted: dict[int, DecayedMean] = {}
-        self.nodes: dict[int, DecayedMean] = {}
+        self.records: dict[int, list[float]] = {}  # budget -> [accepted total, nodes total, weight], decayed
 
     def __contains__(self, budget: int) -> bool:
-        return budget in self.accepted
+        return budget in self.records
 
     def add(self, budget: int, accepted: int, nodes: int) -> None:
-        self.accepted.setdefault(budget, DecayedMean(self.decay)).add(accepted)
-        self.nodes.setdefault(budget, DecayedMean(self.decay)).add(nodes)
+        record = self.records.get(budget)
+        if record is None:
+            record = self.records[budget] = [0.0, 0.0, 0.0]
+        decay = self.decay
+        record[0] = decay * record[0] + accepted
+        record[1] = decay * record[1] + nodes
+        record[2] = decay * record[2] + 1
 
     def mean(self, budget: int) -> tuple[float, float]:
-        return self.accepted[budget].value, self.nodes[budget].value
+        accepted, nodes, weight = self.records[budget]
+        return accepted / weight, nodes / weight
 
     def weight(self, budget: int) -> float:
-        return self.accepted[budget].weight
+        return self.records[budget][2]
 
 
 @dataclass(frozen=True)
@@ -241,9 +238,9 @@ class FixedBudget:
     def choose(self, context: int) -> int:
         return self.budget
 
-    def observe(self, budget: int, tree: DraftTree | None, accepted: list[int]) -> None:
+    def observe(self, budget: int, tree: DraftTree | None, path: list[int]) -> None:
         if self.shared is not None and tree is not None and budget:
-            for outcome in outcomes(self.candidates, budget, tree, accepted)[1]:
+            for outcome in outcomes(self.candidates, budget, tree, path):
                 self.shared.add(*outcome)
 
 
@@ -317,7 +314,7 @@ class AdaptiveBudget:
         extra = self.costs.seconds(self.max_budget, self.expected(self.max_budget)[1], context, besides) - step
         return self.costs.batch.sessions * extra / (self.explore_share * step)
 
-    def observe(self, budget: int, tree: DraftTree | None, accepted: list[int]) -> None:
+    def observe(self, budget: int, tree: DraftTree | None, path: list[int]) -> None:
         self.steps += 1
         self.since_max += 1
         self.step_up = None
@@ -332,8 +329,7 @@ class AdaptiveBudget:
             self.forgive_empty = True
         if budget == self.max_budget:
             self.since_max = 1
-        path, told = outcomes(self.candidates, budget, tree, accepted)
-        for outcome in told:
+        for outcome in outcomes(self.candidates, budget, tree, path):
             self.own.add(*outcome)
             self.shared.add(*outcome)
             self.verified_at[outcome[0]] = self.steps

@@ -51,6 +51,7 @@ def _quiet(done: int, total: int) -> None:
 class StepResult:
     session_id: str
     accepted: list[int]  # draft tokens the target accepted (the root excluded)
+    path: list[int]  # their node indices in the tree as drafted
     emitted: list[int]  # tokens for the client: accepted + the next root, cut at a stop
     commit_start: int  # KV position of committed[0]
     committed: list[int]  # tokens this step put into the KV (root + accepted, cut at a stop)
@@ -310,9 +311,10 @@ class Engine:
         targets = self._targets(hidden, [s.generation for s in sessions], offsets)
 
         results, src_rows, dst_slots = [], [], []
-        for s, tree, lo, session_targets in zip(sessions, trees, offsets, targets):
+        for s, tree, (_, drafted), lo, session_targets in zip(sessions, trees, work, offsets, targets):
             generation = s.generation
             path, next_root = accept_path(tree, session_targets)
+            drafted_path = path if tree is drafted else [drafted.kept(tree.max_depth())[i] for i in path]
             emitted, reason = generation.stop.feed([tree.tokens[i] for i in path] + [next_root])
             # NOTE: KV keeps tokens[:-1], so the root and all emitted tokens but the last are committed.
             rows = [lo] + [lo + 1 + i for i in path[: len(emitted) - 1]]
@@ -325,6 +327,7 @@ class Engine:
             results.append(StepResult(
                 session_id=s.session_id,
                 accepted=[tree.tokens[i] for i in path],
+                path=drafted_path,
                 emitted=emitted,
                 commit_start=start,
                 committed=[s.tokens[start + j] for j in range(len(rows))],
