@@ -121,7 +121,7 @@ def agreeing_prefix(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
-HISTOGRAMS = ("tree_budget", "batch_sessions", "batch_seconds")
+HISTOGRAMS = ("tree_budget", "batch_sessions", "batch_seconds", "step_gap_seconds")
 
 
 def histogram_totals(metrics_url: str) -> dict[str, tuple[float, float]]:
@@ -180,7 +180,8 @@ def measure(target: str, drafter: str, device: str, verifier_args: tuple[str, ..
                     full = histogram_means(*window.snapshots) if len(window.snapshots) == 2 else {}
                     runs[c, choice, repeat] = {
                         **run, **histogram_means(before, histogram_totals(metrics_url)),
-                        "full_window": {key: full.get(f"mean_{key}") for key in ("batch_seconds", "batch_sessions")},
+                        "full_window": {key: full.get(f"mean_{key}")
+                                        for key in ("batch_seconds", "batch_sessions", "step_gap_seconds")},
                         "budget_shares": budget_shares(budgets_before, budget_counts(metrics_url))}
     return runs
 
@@ -287,6 +288,8 @@ def main() -> None:
                      "full_window_batch_ms": [none_or(run["full_window"]["batch_seconds"], 1e3)
                                               for run in (spec, plain)],
                      "full_window_batch_sessions": [run["full_window"]["batch_sessions"] for run in (spec, plain)],
+                     "full_window_gap_ms": [none_or(run["full_window"]["step_gap_seconds"], 1e3)
+                                            for run in (spec, plain)],
                      "mean_agreeing_prefix": statistics.mean(agreeing_prefix(a, b) for a, b in
                                                             zip(spec["outputs"], plain["outputs"]))})
     command = "python " + " ".join(sys.argv)
@@ -301,8 +304,9 @@ def main() -> None:
              "| ms per engine step, speculative / plain | ITL p50 / p99 ms, speculative | ITL p50 / p99 ms, plain "
              "| mean TTFT ms, speculative / plain | mean acceptance "
              "| identical outputs | tokens agreeing before the first difference "
-             "| full window: tok/s, speculative / plain | full window: ms per engine step, speculative / plain | run |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| full window: tok/s, speculative / plain | full window: ms per engine step, speculative / plain "
+             "| full window: ms between engine steps, speculative / plain | run |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     lines += [f"| {r['concurrency']} | {r['tree_budget']} | {r['mean_tree_budget']:.1f} "
               f"| {r['speculative_tokens_per_s']:.1f} | {r['plain_tokens_per_s']:.1f} | "
               f"{r['speedup']:.2f}x | {r['speculative_decode_tokens_per_s']:.0f} / "
@@ -315,6 +319,7 @@ def main() -> None:
               f"| {r['mean_acceptance_length']:.2f} | {r['identical_outputs']}/{r['concurrency']} "
               f"| {r['mean_agreeing_prefix']:.1f} of {args.max_new_tokens} "
               f"| {pair(r['full_window_tokens_per_s'], '.0f')} | {pair(r['full_window_batch_ms'], '.1f')} "
+              f"| {pair(r['full_window_gap_ms'], '.1f')} "
               f"| {r['run']} |" for r in rows]
     lines += ["", *summary(rows)]
     note = ("tok/s counts every generated token over the wall time of the whole run, prefill included; decode "
@@ -327,7 +332,8 @@ def main() -> None:
             "Sessions per step and ms per engine step are the means over the run's engine verify steps (the batch's "
             "wall time in the engine, host work included; prefill chunks not counted). The full window is the "
             "stretch in which every session decodes (from the last first token to the first finish; '-' when there "
-            "was none): no prefill shares the GPU there, and no tail of stragglers. "
+            "was none): no prefill shares the GPU there, and no tail of stragglers; the ms between engine steps are "
+            "what the engine does not run while sessions step (drafts, the loop's own work, waits). "
             "On the CPU (fp32) the outputs are asserted equal. In bf16 the verify step (prefix partials merged with "
             "the tree block) and a plain step round differently, so near-tied argmaxes can flip (counted here).")
     chosen = [f"- {r['concurrency']} sessions, run {r['run']}: "

@@ -1,7 +1,8 @@
 """The verifier's event loop per session-step, engine work excluded: S sessions generate at once in a
 VerifierService (the tiny model on the CPU, its steps on the engine thread), plain or drafting with an n-gram
-replica in its own process over real gRPC. The loop thread's CPU time per session-step is what the serving loop
-itself costs (drafts, batching, results, events, metrics), and what it takes from the engine thread's GIL on a GPU.
+replica in its own process over real gRPC, with a fixed or the adaptive tree budget. The loop thread's CPU time
+per session-step is what the serving loop itself costs (drafts, batching, results, events, metrics), and what it
+takes from the engine thread's GIL on a GPU.
 
     python benchmarks/verifier_loop.py [--sessions 64] [--tokens 96] [--profile]
 """
@@ -30,15 +31,16 @@ from verifier_service.engine.engine import Engine  # noqa: E402
 from verifier_service.engine.sampling import SamplingParams  # noqa: E402
 from verifier_service.metrics import VerifierMetrics  # noqa: E402
 from verifier_service.service import VerifierService  # noqa: E402
+from verifier_service.tree_budget import BudgetPolicyName  # noqa: E402
 
 PROMPT = list(b"the verifier keeps the prefix in pages and the drafter proposes a tree. " * 2)
 
 
 async def generate_all(engine: Engine, drafter: str | None, sessions: int, tokens: int,
-                       profile: cProfile.Profile | None) -> dict:
+                       profile: cProfile.Profile | None, policy: BudgetPolicyName = "fixed") -> dict:
     metrics = VerifierMetrics()
     pool = DrafterPool(drafter, metrics, timeout_s=10) if drafter else None
-    service = VerifierService(engine, pool, metrics, tree_budget=15, inline_steps=False)
+    service = VerifierService(engine, pool, metrics, tree_budget=15, inline_steps=False, budget_policy=policy)
     await service.start()
     if pool is not None:
         await pool.refresh()
@@ -59,7 +61,8 @@ async def generate_all(engine: Engine, drafter: str | None, sessions: int, token
         profile.disable()
     wall, cpu = time.perf_counter() - started, time.thread_time() - cpu
     await service.stop()
-    return {"drafter": "ngram" if drafter else "none", "sessions": sessions, "session_steps": steps,
+    return {"drafter": "ngram" if drafter else "none", "budget_policy": policy if drafter else "-",
+            "sessions": sessions, "session_steps": steps,
             "tokens": sessions * tokens, "wall_s": wall,
             "loop_cpu_us_per_session_step": 1e6 * cpu / steps, "loop_cpu_share": cpu / wall}
 
@@ -81,7 +84,8 @@ def main() -> None:
     try:
         wait_healthy(f"127.0.0.1:{port}", 60, drafter)
         rows = [asyncio.run(generate_all(engine, None, args.sessions, args.tokens, None)),
-                asyncio.run(generate_all(engine, f"127.0.0.1:{port}", args.sessions, args.tokens, profile))]
+                asyncio.run(generate_all(engine, f"127.0.0.1:{port}", args.sessions, args.tokens, profile)),
+                asyncio.run(generate_all(engine, f"127.0.0.1:{port}", args.sessions, args.tokens, None, "adaptive"))]
     finally:
         drafter.terminate()
         drafter.wait()
@@ -95,9 +99,10 @@ def main() -> None:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     lines = [f"# The verifier's event loop per session-step ({platform.machine()}, tiny model, engine excluded)", "",
              f"Command: `{command}`", "",
-             "| drafter | sessions | session-steps | loop CPU us per session-step | loop CPU / wall |",
-             "|---|---|---|---|---|"]
-    lines += [f"| {r['drafter']} | {r['sessions']} | {r['session_steps']} | {r['loop_cpu_us_per_session_step']:.0f} "
+             "| drafter | budget policy | sessions | session-steps | loop CPU us per session-step | loop CPU / wall |",
+             "|---|---|---|---|---|---|"]
+    lines += [f"| {r['drafter']} | {r['budget_policy']} | {r['sessions']} | {r['session_steps']} "
+              f"| {r['loop_cpu_us_per_session_step']:.0f} "
               f"| {r['loop_cpu_share']:.0%} |" for r in rows]
     (args.out_dir / "verifier_loop.md").write_text("\n".join(lines) + "\n")
     (args.out_dir / "verifier_loop.json").write_text(json.dumps({"command": command, "rows": rows}, indent=1) + "\n")

@@ -258,6 +258,32 @@ def test_a_session_that_skips_its_draft_waits_for_the_ones_still_drafting(tiny_t
     assert batches == [["a"], ["b"]]
 
 
+def test_the_time_between_steps_is_measured_while_sessions_step_and_not_across_idle_time(tiny_target) -> None:
+    engine = make_engine(tiny_target)
+    engine.step = lambda work: [None] * len(work)
+    gaps = []
+    stepping = [1]
+
+    async def main() -> None:
+        worker = EngineWorker()
+        batcher = StepBatcher(engine, worker, lambda: stepping[0],
+                              observe=lambda steps, results, seconds, gap: gaps.append(gap))
+        batcher.start()
+        await batcher.submit("a", DraftTree.empty())  # the first step: nothing before it
+        await asyncio.sleep(0.05)  # the session's own work between its steps
+        await batcher.submit("a", DraftTree.empty())
+        stepping[0] = 0  # it stops, the engine idles
+        await batcher.submit("a", DraftTree.empty())
+        await asyncio.sleep(0.05)
+        stepping[0] = 1
+        await batcher.submit("a", DraftTree.empty())
+        await batcher.stop()
+        worker.shutdown()
+
+    asyncio.run(main())
+    assert gaps[0] is None and 0.05 <= gaps[1] < 0.5 and gaps[2] is not None and gaps[3] is None
+
+
 def test_a_drafter_that_reads_features_gets_its_graphs_captured_before_the_first_step(tiny_target) -> None:
     """Start-up captures graphs that return no features (no replica answered); the drafter's layers arrive
     later and get theirs."""

@@ -32,10 +32,12 @@ class _Pending:
 
 class StepBatcher:
     def __init__(self, engine: Engine, worker: EngineWorker, stepping: Callable[[], int],
-                 observe: Callable[[list[Step], list[StepResult], float], None] = lambda steps, results, seconds: None,
+                 observe: Callable[[list[Step], list[StepResult], float, float | None], None] = (
+                     lambda steps, results, seconds, gap: None),
                  batch_wait_s: float = 0.005, drafting: Callable[[], int] = lambda: 0):
         """stepping: how many sessions are in their step loops (in a step, between steps, or queued here); observe:
-        told each batch's steps, results and wall time; batch_wait_s: the gap between arriving steps that ends a
+        told each batch's steps, results, wall time and the time since the last step ended (None when no session
+        was stepping then: an idle engine is no host overhead); batch_wait_s: the gap between arriving steps that ends a
         step's wait for the stepping sessions not queued yet (see the module's docstring); drafting: how many of
         them wait for a draft (no gap ends the wait for those: only the last step's time does)."""
         self.engine, self.worker, self.stepping, self.observe = engine, worker, stepping, observe
@@ -46,6 +48,7 @@ class StepBatcher:
         self.running: list[_Pending] = []  # the batch in the engine
         self.last_arrival = 0.0  # loop time of the latest submit
         self.last_step_s = 0.0  # wall time of the latest step
+        self.busy_since: float | None = None  # when the latest step ended, while sessions were stepping
         self.down_reason: str | None = None
         self.wakeup = asyncio.Event()
         self.task: asyncio.Task | None = None
@@ -145,14 +148,17 @@ class StepBatcher:
             # GPU work), so only a batch of every stepping session may run on the loop itself.
             call = self.worker.step_call if len(batch) >= self.stepping() else self.worker.call
             started = time.perf_counter()
+            gap = None if self.busy_since is None else started - self.busy_since
             steps = [(p.session_id, p.tree) for p in batch]
             self.running = batch
             try:
                 results = await call(self.engine.step, steps)
             finally:
                 self.running = []
-            self.last_step_s = time.perf_counter() - started
-            self.observe(steps, results, self.last_step_s)
+            ended = time.perf_counter()
+            self.last_step_s = ended - started
+            self.busy_since = ended if self.stepping() else None
+            self.observe(steps, results, self.last_step_s, gap)
         except Exception as error:  # noqa: BLE001 - handed to the waiting caller
             if len(batch) == 1:
                 if not batch[0].future.done():

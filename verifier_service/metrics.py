@@ -37,6 +37,9 @@ class VerifierMetrics:
                                         buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256), registry=r)
         self.batch_seconds = Histogram("ddtree_verifier_batch_seconds", "Wall time of one engine verify step "
                                        "(the whole batch, host work included)", registry=r)
+        self.step_gap_seconds = Histogram("ddtree_verifier_step_gap_seconds", "Time from the end of one engine "
+                                          "verify step to the start of the next while sessions step (drafts, the "
+                                          "loop's own work, waits: what the engine is not running)", registry=r)
         self.kv_pages_used = Gauge("ddtree_verifier_kv_pages_used", "KV pages in use", registry=r)
         self.kv_pages_free = Gauge("ddtree_verifier_kv_pages_free", "KV pages free", registry=r)
         self.sessions = Gauge("ddtree_verifier_sessions", "Open sessions", registry=r)

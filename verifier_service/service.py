@@ -100,12 +100,15 @@ class VerifierService:
         if drafters is not None:
             drafters.on_info = self._use_drafter_features
 
-    def _observe_batch(self, steps: list[Step], results: list[StepResult], seconds: float) -> None:
+    def _observe_batch(self, steps: list[Step], results: list[StepResult], seconds: float,
+                       gap: float | None) -> None:
         """A verify batch's metrics and costs, once per batch: per session they cost the loop ~20% of a plain
         session-step (benchmarks/results/verifier_loop.md)."""
         metrics = self.metrics
         metrics.batch_sessions.observe(len(steps))
         metrics.batch_seconds.observe(seconds)
+        if gap is not None:
+            metrics.step_gap_seconds.observe(gap)
         metrics.steps.inc(len(steps))
         metrics.drafted.inc(sum(len(tree) for _, tree in steps))
         metrics.accepted.inc(sum(len(result.accepted) for result in results))
