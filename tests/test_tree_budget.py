@@ -120,9 +120,11 @@ def test_cost_model_prior_measurements_interpolation_and_nearest_context() -> No
     assert model.estimate(9, 100) == pytest.approx(0.01 * (1 + 9 / 64))  # the prior at the size itself
     model.observe(16, 1000, 0.004)
     assert model.estimate(16, 1000) == pytest.approx(0.004)
-    # extrapolated along the prior's shape, at this context and (borrowed) at one with no measurement
-    assert model.estimate(64, 1000) == pytest.approx(0.004 * 2 / (1 + 16 / 64))
+    # a larger size costs what the measured one did until it is tried (no prior keeps it from ever being tried),
+    # at this context and (borrowed) at one with no measurement; a smaller one is scaled along the prior's shape
+    assert model.estimate(64, 1000) == pytest.approx(0.004)
     assert model.estimate(64, 100_000) == model.estimate(64, 1000)
+    assert model.estimate(4, 1000) == pytest.approx(0.004 * (1 + 4 / 64) / (1 + 16 / 64))
     model.observe(64, 1000, 0.010)
     assert model.estimate(32, 1000) == pytest.approx(0.004 + 0.006 * 16 / 48)  # between the measured sizes
     assert model.estimate(256, 1000) == pytest.approx(0.010 + 0.006 * 192 / 48)  # on along their line
@@ -211,6 +213,20 @@ def test_one_empty_draft_is_forgiven_and_a_second_in_a_row_counts_as_a_failure()
     assert policy.choose(500) == MAX  # the empty draft taught nothing
     assert simulate(policy, costs, lambda _: 0, 1, found=False) == [MAX]
     assert policy.choose(500) == 0  # the second one in a row is a failure
+
+
+def test_a_batch_that_only_ever_stepped_without_trees_still_tries_one() -> None:
+    """Sixteen sessions whose first drafts came back empty all sit at budget 0, so only the 16-row step was ever
+    measured: a step with trees must not look dearer than that by the prior's guess alone, or no session would
+    ever try one (seen on the CPU: adaptive ran 3x slower than budget 15)."""
+    costs = StepCosts()
+    policy = adaptive(costs)
+    for _ in range(2):
+        policy.observe(MAX, DraftTree.empty(), [])  # two empty drafts in a row: a failure
+    for _ in range(5):
+        costs.observe_batch(BatchShape(16, 16), 500, 0.026)
+    chosen = simulate(policy, costs, lambda _: MAX, 30, others=15)
+    assert any(chosen)
 
 
 def test_a_text_that_never_repeats_is_seldom_drafted_and_drafts_return_when_it_does() -> None:

@@ -80,11 +80,13 @@ class CostModel:
     """Seconds of one part of a step (a verify of T rows, a draft of b nodes), learnt online per (size bucket,
     context bucket) as a decayed mean of measured times.
 
-    A size with no measurement at its context is interpolated between the measured sizes around it, or
-    extrapolated from the nearest one along the prior's shape, seconds = prior_s * (1 + slope * size). With no
-    measurement at all the prior itself answers. A context with no measurement borrows the nearest measured
-    context's row. Why buckets: sizes and contexts vary step by step, powers of two keep a handful of cells, each
-    one measured often; why a decayed mean: the costs move with the load (other sessions share the batch)."""
+    A size with no measurement at its context is interpolated between the measured sizes around it, extrapolated
+    along the line through the two nearest, or, with one measured size, taken at its cost when larger (until tried:
+    a prior that guessed trees dear would keep them from ever being tried) and scaled along the prior's shape when
+    smaller, seconds = prior_s * (1 + slope * size). With no measurement at all the prior answers. A context with no
+    measurement borrows the nearest measured context's row. Why buckets: sizes and contexts vary step by step,
+    powers of two keep a handful of cells, each one measured often; why a decayed mean: the costs move with the load
+    (other sessions share the batch)."""
 
     def __init__(self, prior_s: float, slope: float, decay: float = 0.9):
         self.prior_s, self.slope, self.decay = prior_s, slope, decay
@@ -137,8 +139,9 @@ class CostModel:
             near, far = row[near_size].value, row[far_size].value
             slope = (far - near) / (far_size - near_size)
             return max(near + slope * (key - near_size), min(near, far))
-        known = lower if lower is not None else upper
-        return row[known].value * self.prior(key) / self.prior(known)
+        if lower is not None:  # NOTE: optimism: a larger size costs what the largest measured one did until tried
+            return row[lower].value
+        return row[upper].value * self.prior(key) / self.prior(upper)
 
     def _nearest_row(self, context_key: int) -> dict[int, DecayedMean]:
         """The measured row of the context bucket nearest to `context_key` (in powers of two)."""
