@@ -80,13 +80,14 @@ class CostModel:
     """Seconds of one part of a step (a verify of T rows, a draft of b nodes), learnt online per (size bucket,
     context bucket) as a decayed mean of measured times.
 
-    A size with no measurement at its context is interpolated between the measured sizes around it, extrapolated
-    along the line through the two nearest, or, with one measured size, taken at its cost when larger (until tried:
-    a prior that guessed trees dear would keep them from ever being tried) and scaled along the prior's shape when
-    smaller, seconds = prior_s * (1 + slope * size). With no measurement at all the prior answers. A context with no
-    measurement borrows the nearest measured context's row. Why buckets: sizes and contexts vary step by step,
-    powers of two keep a handful of cells, each one measured often; why a decayed mean: the costs move with the load
-    (other sessions share the batch)."""
+    A size with no measurement at its context is interpolated between the measured sizes around it. Past the largest
+    measured size it costs what that one did, until tried: an estimate that guessed larger batches dear (a prior, or
+    a line through two small sizes) kept every session from ever trying one. Below the smallest it follows the line
+    through the two smallest, no cheaper than the smallest, or with one measured size the prior's shape, seconds =
+    prior_s * (1 + slope * size). With no measurement at all the prior answers. A context with no measurement
+    borrows the nearest measured context's row. Why buckets: sizes and contexts vary step by step, powers of two
+    keep a handful of cells, each one measured often; why a decayed mean: the costs move with the load (other
+    sessions share the batch)."""
 
     def __init__(self, prior_s: float, slope: float, decay: float = 0.9):
         self.prior_s, self.slope, self.decay = prior_s, slope, decay
@@ -133,14 +134,12 @@ class CostModel:
         if lower is not None and upper is not None:
             low, high = row[lower].value, row[upper].value
             return low + (high - low) * (key - lower) / (upper - lower)
-        side = sorted(k for k in row if k < key)[-2:] if upper is None else sorted(k for k in row if k > key)[:2]
-        if len(side) == 2:  # NOTE: along the line through the two nearest measured sizes (a step is affine in rows)
-            near_size, far_size = (side[1], side[0]) if upper is None else side
-            near, far = row[near_size].value, row[far_size].value
-            slope = (far - near) / (far_size - near_size)
-            return max(near + slope * (key - near_size), min(near, far))
-        if lower is not None:  # NOTE: optimism: a larger size costs what the largest measured one did until tried
+        if upper is None:  # NOTE: optimism: past the largest measured size, what that one cost, until tried
             return row[lower].value
+        side = sorted(k for k in row if k > key)[:2]
+        if len(side) == 2:  # NOTE: along the line through the two smallest measured sizes, no cheaper than the first
+            near, far = row[side[0]].value, row[side[1]].value
+            return max(near + (far - near) / (side[1] - side[0]) * (key - side[0]), min(near, far))
         return row[upper].value * self.prior(key) / self.prior(upper)
 
     def _nearest_row(self, context_key: int) -> dict[int, DecayedMean]:
