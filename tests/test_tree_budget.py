@@ -204,15 +204,19 @@ def test_pinned_sessions_teach_the_others_what_the_budgets_accept() -> None:
     assert simulate(adaptive(costs, shared), costs, lambda _: MAX, 3)[0] == 31
 
 
-def test_one_empty_draft_is_forgiven_and_a_second_in_a_row_counts_as_a_failure() -> None:
+def test_empty_drafts_count_less_than_failed_trees_and_the_first_not_at_all() -> None:
     """The n-gram drafter finds nothing to propose right after a prompt more often than not (the model has not
-    repeated anything yet); that one empty draft must not hold the session at budget 0 while its record ages."""
+    repeated anything yet): that first empty draft teaches nothing, later ones a quarter of a failed tree each, so
+    a run of them stops the drafting later, and for fewer steps, than a run of trees that failed."""
     costs = StepCosts()
     policy = adaptive(costs)
     assert simulate(policy, costs, lambda _: 0, 1, found=False) == [MAX]
     assert policy.choose(500) == MAX  # the empty draft taught nothing
-    assert simulate(policy, costs, lambda _: 0, 1, found=False) == [MAX]
-    assert policy.choose(500) == 0  # the second one in a row is a failure
+    empty = simulate(policy, costs, lambda _: 0, 30, found=False)
+    costs = StepCosts()
+    failed = simulate(adaptive(costs), costs, lambda _: 0, 30)
+    assert empty[:4] == [MAX] * 4 and failed[1] == 0  # four more empty drafts before budget 0; one failed tree
+    assert 0 in empty and sum(1 for b in empty if b) > 2 * sum(1 for b in failed if b)  # and more returns
 
 
 def test_a_batch_that_only_ever_stepped_without_trees_still_tries_one() -> None:

@@ -31,6 +31,9 @@ SHARED_DECAY = 0.99  # what the service's sessions' trees accepted: about their 
 # fail their first drafts (the model does not repeat itself yet), and the shared record alone would then keep them
 # from drafting when their texts turn predictable (benchmarks/results/budget_simulation.md)
 HOPE_SHARE = 0.2
+# NOTE: what an empty draft weighs against a tree that failed: it says the drafter has nothing yet (the text has not
+# repeated itself so far), which the next tokens may change, and costs only the draft's round trip to find out
+EMPTY_WEIGHT = 0.25
 
 
 def bucket(n: float) -> int:
@@ -211,14 +214,14 @@ class Outcomes:
     def __contains__(self, budget: int) -> bool:
         return budget in self.records
 
-    def add(self, budget: int, accepted: int, nodes: int) -> None:
+    def add(self, budget: int, accepted: int, nodes: int, weight: float = 1.0) -> None:
         record = self.records.get(budget)
         if record is None:
             record = self.records[budget] = [0.0, 0.0, 0.0]
         decay = self.decay
-        record[0] = decay * record[0] + accepted
-        record[1] = decay * record[1] + nodes
-        record[2] = decay * record[2] + 1
+        record[0] = decay * record[0] + weight * accepted
+        record[1] = decay * record[1] + weight * nodes
+        record[2] = decay * record[2] + weight
 
     def mean(self, budget: int) -> tuple[float, float]:
         accepted, nodes, weight = self.records[budget]
@@ -260,7 +263,8 @@ class AdaptiveBudget:
     never repeats is seldom drafted for). Its tree is taken at its full size meanwhile, which keeps those returns
     to small budgets where trees are dear.
 
-    An empty draft (the drafter found nothing to propose) counts as a failure only when the one before was empty too.
+    An empty draft (the drafter found nothing to propose) counts as a failure only when the one before was empty too,
+    and then as a quarter of one.
     Two more ways up: a path that ran into the tree's edge (it ended at a leaf of a tree the budget had cut) tries
     the next candidate up at the next step; and the maximum is verified again as often as keeps those explorations
     under `explore_share` of the batch's time (all its sessions' explorations together)."""
@@ -323,17 +327,19 @@ class AdaptiveBudget:
         self.last_rows = (len(tree) if tree else 0) + 1
         if tree is None or budget == 0:
             return
+        weight = 1.0
         if not len(tree):  # NOTE: the drafter found nothing to propose; once is no sign that its trees would fail
             forgiven, self.forgive_empty = self.forgive_empty, False
             if forgiven:
                 return
+            weight = EMPTY_WEIGHT
         else:
             self.forgive_empty = True
         if budget == self.max_budget:
             self.since_max = 1
         for outcome in outcomes(self.candidates, budget, tree, path):
-            self.own.add(*outcome)
-            self.shared.add(*outcome)
+            self.own.add(*outcome, weight)
+            self.shared.add(*outcome, weight)
             self.verified_at[outcome[0]] = self.steps
         if len(tree) == budget and path and path[-1] not in tree.parents:
             self.step_up = next((b for b in self.candidates if b > budget), None)
