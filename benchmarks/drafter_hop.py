@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import platform
 import subprocess
 import sys
@@ -19,6 +18,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.e2e_step import write_results  # noqa: E402
 from ddtree.local_stack import free_port, wait_healthy  # noqa: E402
 from modeling.speculation import DraftStep  # noqa: E402
 from verifier_service.drafter_pool import DrafterPool  # noqa: E402
@@ -87,9 +87,8 @@ def main() -> None:
     lines += [f"| {r['sessions']} | {'one per round' if r['batches'] else 'one per request'} "
               f"| {r['round_ms_p50']:.2f} | {r['wall_us_per_session_step']:.0f} "
               f"| {r['cpu_us_per_session_step']:.0f} |" for r in rows]
-    (args.out_dir / "drafter_hop.md").write_text("\n".join(lines) + "\n")
-    (args.out_dir / "drafter_hop.json").write_text(json.dumps(
-        {"command": command, "machine": platform.machine(), "rows": rows}, indent=1) + "\n")
+    write_results(args.out_dir, "drafter_hop", {"command": command, "machine": platform.machine(), "rows": rows},
+                  "\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

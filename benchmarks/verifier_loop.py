@@ -13,7 +13,6 @@ import argparse
 import asyncio
 import cProfile
 import io
-import json
 import platform
 import pstats
 import subprocess
@@ -24,6 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.e2e_step import write_results  # noqa: E402
 from ddtree.local_stack import ensure_tiny_model, free_port, wait_healthy  # noqa: E402
 from verifier_service.drafter_pool import DrafterPool  # noqa: E402
 from verifier_service.engine.config import EngineConfig  # noqa: E402
@@ -96,7 +96,6 @@ def main() -> None:
         pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(25)
         print(text.getvalue())
     command = " ".join(["python benchmarks/verifier_loop.py", *sys.argv[1:]])
-    args.out_dir.mkdir(parents=True, exist_ok=True)
     lines = [f"# The verifier's event loop per session-step ({platform.machine()}, tiny model, engine excluded)", "",
              f"Command: `{command}`", "",
              "| drafter | budget policy | sessions | session-steps | loop CPU us per session-step | loop CPU / wall |",
@@ -104,8 +103,7 @@ def main() -> None:
     lines += [f"| {r['drafter']} | {r['budget_policy']} | {r['sessions']} | {r['session_steps']} "
               f"| {r['loop_cpu_us_per_session_step']:.0f} "
               f"| {r['loop_cpu_share']:.0%} |" for r in rows]
-    (args.out_dir / "verifier_loop.md").write_text("\n".join(lines) + "\n")
-    (args.out_dir / "verifier_loop.json").write_text(json.dumps({"command": command, "rows": rows}, indent=1) + "\n")
+    write_results(args.out_dir, "verifier_loop", {"command": command, "rows": rows}, "\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":
