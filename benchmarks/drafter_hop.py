@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.e2e_step import write_results  # noqa: E402
+from benchmarks.e2e_step import titled_table, write_results  # noqa: E402
 from ddtree.local_stack import free_port, wait_healthy  # noqa: E402
 from modeling.speculation import DraftStep  # noqa: E402
 from verifier_service.drafter_pool import DrafterPool  # noqa: E402
@@ -80,15 +80,13 @@ def main() -> None:
         drafter.terminate()
         drafter.wait()
     command = " ".join(["python benchmarks/drafter_hop.py", *sys.argv[1:]])
-    lines = [f"# The verifier -> drafter hop ({platform.machine()}, n-gram drafter, budget {args.budget})", "",
-             f"Command: `{command}`", "",
-             "| sessions | messages | round ms (p50) | wall us per session-step | verifier CPU us per session-step |",
-             "|---|---|---|---|---|"]
-    lines += [f"| {r['sessions']} | {'one per round' if r['batches'] else 'one per request'} "
-              f"| {r['round_ms_p50']:.2f} | {r['wall_us_per_session_step']:.0f} "
-              f"| {r['cpu_us_per_session_step']:.0f} |" for r in rows]
+    table = titled_table(
+        f"The verifier -> drafter hop ({platform.machine()}, n-gram drafter, budget {args.budget})", command,
+        ["sessions", "messages", "round ms (p50)", "wall us per session-step", "verifier CPU us per session-step"],
+        [[str(r["sessions"]), "one per round" if r["batches"] else "one per request", f"{r['round_ms_p50']:.2f}",
+          f"{r['wall_us_per_session_step']:.0f}", f"{r['cpu_us_per_session_step']:.0f}"] for r in rows])
     write_results(args.out_dir, "drafter_hop", {"command": command, "machine": platform.machine(), "rows": rows},
-                  "\n".join(lines) + "\n")
+                  table)
 
 
 if __name__ == "__main__":

@@ -442,6 +442,13 @@ def main() -> None:
                   markdown(result))
 
 
+def titled_table(title: str, command: str, columns: list[str], rows: list[list[str]]) -> str:
+    """A result file's markdown: its title, the command that made it, and one table."""
+    lines = [f"# {title}", "", f"Command: `{command}`", "", "| " + " | ".join(columns) + " |",
+             "|" + "---|" * len(columns)]
+    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows]) + "\n"
+
+
 def write_results(out_dir: Path, name: str, result: dict, table: str) -> None:
     """NAME.json and NAME.md (the table) in out_dir; the table is printed too."""
     out_dir.mkdir(parents=True, exist_ok=True)

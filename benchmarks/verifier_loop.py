@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.e2e_step import write_results  # noqa: E402
+from benchmarks.e2e_step import titled_table, write_results  # noqa: E402
 from ddtree.local_stack import ensure_tiny_model, free_port, wait_healthy  # noqa: E402
 from verifier_service.drafter_pool import DrafterPool  # noqa: E402
 from verifier_service.engine.config import EngineConfig  # noqa: E402
@@ -96,14 +96,12 @@ def main() -> None:
         pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(25)
         print(text.getvalue())
     command = " ".join(["python benchmarks/verifier_loop.py", *sys.argv[1:]])
-    lines = [f"# The verifier's event loop per session-step ({platform.machine()}, tiny model, engine excluded)", "",
-             f"Command: `{command}`", "",
-             "| drafter | budget policy | sessions | session-steps | loop CPU us per session-step | loop CPU / wall |",
-             "|---|---|---|---|---|---|"]
-    lines += [f"| {r['drafter']} | {r['budget_policy']} | {r['sessions']} | {r['session_steps']} "
-              f"| {r['loop_cpu_us_per_session_step']:.0f} "
-              f"| {r['loop_cpu_share']:.0%} |" for r in rows]
-    write_results(args.out_dir, "verifier_loop", {"command": command, "rows": rows}, "\n".join(lines) + "\n")
+    table = titled_table(
+        f"The verifier's event loop per session-step ({platform.machine()}, tiny model, engine excluded)", command,
+        ["drafter", "budget policy", "sessions", "session-steps", "loop CPU us per session-step", "loop CPU / wall"],
+        [[r["drafter"], r["budget_policy"], str(r["sessions"]), str(r["session_steps"]),
+          f"{r['loop_cpu_us_per_session_step']:.0f}", f"{r['loop_cpu_share']:.0%}"] for r in rows])
+    write_results(args.out_dir, "verifier_loop", {"command": command, "rows": rows}, table)
 
 
 if __name__ == "__main__":
