@@ -121,7 +121,7 @@ def agreeing_prefix(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
-HISTOGRAMS = ("tree_budget", "batch_sessions", "batch_seconds", "step_gap_seconds")
+HISTOGRAMS = ("tree_budget", "batch_sessions", "batch_seconds", "step_gap_seconds", "draft_round_seconds")
 
 
 def histogram_totals(metrics_url: str) -> dict[str, tuple[float, float]]:
@@ -157,7 +157,7 @@ def budget_shares(before: dict[str, float], after: dict[str, float]) -> dict[str
 
 def measure(target: str, drafter: str, device: str, verifier_args: tuple[str, ...], concurrency: list[int],
             context_chars: int, max_new_tokens: int, pins: dict[str, int],
-            repeats: int = 1) -> dict[tuple[int, str, int], dict]:
+            repeats: int = 1, replicas: int = 1) -> dict[tuple[int, str, int], dict]:
     """Runs per (concurrency, choice, repeat) on one stack; a choice pins the requests' tree budget (0: the
     verifier's policy), and every other repeat takes the choices in reverse order (the first run at a concurrency
     pays for new shapes). Each run also reports the mean budget its steps chose and its engine steps' mean sessions
@@ -167,7 +167,7 @@ def measure(target: str, drafter: str, device: str, verifier_args: tuple[str, ..
     metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
     runs = {}
     sessions = ("--max-sessions-per-key", str(max(concurrency)))  # NOTE: the benchmark is one caller
-    with LocalStack(target, drafter, 1, device, f"127.0.0.1:{free_port()}", verifier_args=verifier_args,
+    with LocalStack(target, drafter, replicas, device, f"127.0.0.1:{free_port()}", verifier_args=verifier_args,
                     gateway_args=sessions) as stack:
         asyncio.run(run_sessions(stack.addresses["gateway"], prompts(1, 256), 8))  # warm-up (kernels, caches)
         for c in concurrency:
@@ -181,7 +181,8 @@ def measure(target: str, drafter: str, device: str, verifier_args: tuple[str, ..
                     runs[c, choice, repeat] = {
                         **run, **histogram_means(before, histogram_totals(metrics_url)),
                         "full_window": {key: full.get(f"mean_{key}")
-                                        for key in ("batch_seconds", "batch_sessions", "step_gap_seconds")},
+                                        for key in ("batch_seconds", "batch_sessions", "step_gap_seconds",
+                                                        "draft_round_seconds")},
                         "budget_shares": budget_shares(budgets_before, budget_counts(metrics_url))}
     return runs
 
@@ -228,6 +229,8 @@ def main() -> None:
     parser.add_argument("--random-target", type=Path,
                         help="write a random Qwen3-0.6B-shaped bf16 model (byte-level tokenizer) here and use it")
     parser.add_argument("--drafter", default="ngram")
+    parser.add_argument("--drafter-replicas", type=int, default=1,
+                        help="drafter processes; the verifier spreads the sessions over them")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--context", type=int, default=4096, help="prompt length in characters (~tokens)")
@@ -260,7 +263,7 @@ def main() -> None:
                      *(word for value in args.verifier_arg for word in shlex.split(value)))
     bandwidth = copy_bandwidth(args.device)
     spec_runs = measure(target, args.drafter, args.device, verifier_args, args.concurrency, args.context,
-                        args.max_new_tokens, pins, args.repeats)
+                        args.max_new_tokens, pins, args.repeats, args.drafter_replicas)
     plain_runs = measure(target, "none", args.device, verifier_args, args.concurrency, args.context,
                          args.max_new_tokens, {"plain": 0}, args.repeats)
     rows, mean_context = [], args.context + args.max_new_tokens // 2  # NOTE: the prompt's tokens, ~ its characters
@@ -290,10 +293,12 @@ def main() -> None:
                      "full_window_batch_sessions": [run["full_window"]["batch_sessions"] for run in (spec, plain)],
                      "full_window_gap_ms": [none_or(run["full_window"]["step_gap_seconds"], 1e3)
                                             for run in (spec, plain)],
+                     "full_window_draft_round_ms": none_or(spec["full_window"]["draft_round_seconds"], 1e3),
                      "mean_agreeing_prefix": statistics.mean(agreeing_prefix(a, b) for a, b in
                                                             zip(spec["outputs"], plain["outputs"]))})
     command = "python " + " ".join(sys.argv)
-    result = {"command": command, "target": target, "drafter": args.drafter, "device": args.device,
+    result = {"command": command, "target": target, "drafter": args.drafter,
+              "drafter_replicas": args.drafter_replicas, "device": args.device,
               "copy_bandwidth": bandwidth,
               "context_chars": args.context, "max_new_tokens": args.max_new_tokens, "rows": rows}
     args.out_dir.mkdir(parents=True, exist_ok=True)

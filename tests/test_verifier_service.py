@@ -13,11 +13,11 @@ from modeling.speculation import DraftStep
 from modeling.tree import DraftTree
 from proto import drafter_pb2, drafter_pb2_grpc
 from tests.engine_helpers import GREEDY, make_engine, plain_generate
-from verifier_service.batcher import StepBatcher
 from verifier_service.drafter_pool import DrafterPool, ReplicaLink
 from verifier_service.metrics import VerifierMetrics
-from verifier_service.service import PrefillEvent, StepEvent, VerifierService
+from verifier_service.service import PrefillEvent, VerifierService
 from verifier_service.servicer import run_ahead
+from verifier_service.step_loop import StepEvent
 from verifier_service.worker import EngineWorker
 
 PROMPT = list(b"no drafter, no problem")
@@ -29,8 +29,8 @@ class MalformedDrafters(DrafterPool):
     async def refresh(self) -> None:
         pass
 
-    async def draft(self, *args, **kwargs) -> DraftTree:
-        return DraftTree((1, 2), (1, -1), (2, 1))
+    async def draft_all(self, steps: list[DraftStep]) -> list[DraftTree]:
+        return [DraftTree((1, 2), (1, -1), (2, 1)) for _ in steps]
 
 
 def generate(service: VerifierService) -> list[int]:
@@ -127,161 +127,6 @@ def test_a_replica_that_never_answers_costs_one_timeout_then_is_probed() -> None
         await server.stop(None)
 
     asyncio.run(main())
-
-
-def test_a_step_runs_on_the_loop_only_when_no_other_session_needs_it(tiny_target) -> None:
-    """Another generating session is between steps: its draft round trip must overlap this step."""
-    engine = make_engine(tiny_target)
-    threads = []
-    engine.step = lambda work: threads.append(threading.get_ident()) or [None] * len(work)
-
-    async def main() -> None:
-        worker, generating = EngineWorker(), [1]
-        batcher = StepBatcher(engine, worker, lambda: generating[0])
-        batcher.start()
-        await batcher.submit("a", DraftTree.empty())
-        generating[0] = 2
-        await batcher.submit("a", DraftTree.empty())
-        await batcher.stop()
-        worker.shutdown()
-
-    asyncio.run(main())
-    assert threads[0] == threading.get_ident() != threads[1]
-
-
-def test_an_overload_waits_for_the_next_step_in_arrival_order(tiny_target) -> None:
-    """More work than one step takes (rows, sessions) is split over steps, the longest-waiting first; every
-    step is answered, none is refused."""
-    engine = make_engine(tiny_target, max_batch_tokens=40, max_batch_sessions=3, max_tree_nodes=15)
-    batches = []
-    engine.step = lambda work: batches.append([sid for sid, _ in work]) or [sid for sid, _ in work]
-    trees = {f"s{i}": DraftTree.chain([1] * size) for i, size in enumerate([15, 15, 15, 3, 3, 3, 15, 0])}
-
-    async def main() -> list:
-        worker = EngineWorker()
-        batcher = StepBatcher(engine, worker, lambda: len(trees))
-        batcher.start()
-        results = await asyncio.gather(*(batcher.submit(sid, tree) for sid, tree in trees.items()))
-        await batcher.stop()
-        worker.shutdown()
-        return results
-
-    assert asyncio.run(main()) == list(trees)
-    assert batches == [["s0", "s1"], ["s2", "s3", "s4"], ["s5", "s6", "s7"]]  # 32 of 40 rows, then 3 sessions
-
-
-def test_a_step_waits_briefly_for_the_stepping_sessions_still_drafting(tiny_target) -> None:
-    """Two sessions step: the one still drafting when the other queues joins the same step if it comes within the
-    wait, and a late one gets a step of its own rather than holding the first up."""
-    engine = make_engine(tiny_target)
-    batches = []
-    engine.step = lambda work: batches.append(sorted(sid for sid, _ in work)) or [None] * len(work)
-
-    async def after(delay_s: float, batcher: StepBatcher, session_id: str) -> None:
-        await asyncio.sleep(delay_s)
-        await batcher.submit(session_id, DraftTree.empty())
-
-    async def main() -> None:
-        worker = EngineWorker()
-        batcher = StepBatcher(engine, worker, lambda: 2, batch_wait_s=0.2)
-        batcher.start()
-        await asyncio.gather(after(0, batcher, "a"), after(0.05, batcher, "b"))
-        started = time.perf_counter()
-        await asyncio.gather(after(0, batcher, "a"), after(0.5, batcher, "b"))
-        assert 0.5 <= time.perf_counter() - started < 1.0
-        await batcher.stop()
-        worker.shutdown()
-
-    asyncio.run(main())
-    assert batches == [["a", "b"], ["a"], ["b"]]
-
-
-def test_steps_that_trickle_in_share_one_step_while_waiting_costs_less_than_a_step(tiny_target) -> None:
-    """Six sessions queue 40 ms apart (a drafter serving them in turn), the gap allowed is 80 ms: all share one
-    step when the last step took 0.5 s, and only those within 80 ms of the first when it took no time."""
-    engine = make_engine(tiny_target)
-    batches = []
-    engine.step = lambda work: batches.append(len(work)) or [None] * len(work)
-
-    async def after(delay_s: float, batcher: StepBatcher, session_id: str) -> None:
-        await asyncio.sleep(delay_s)
-        await batcher.submit(session_id, DraftTree.empty())
-
-    async def trickle(batcher: StepBatcher) -> None:
-        await asyncio.gather(*(after(0.04 * i, batcher, f"s{i}") for i in range(6)))
-
-    async def main(last_step_s: float) -> None:
-        worker = EngineWorker()
-        batcher = StepBatcher(engine, worker, lambda: 6, batch_wait_s=0.08)
-        batcher.last_step_s = last_step_s
-        batcher.start()
-        await trickle(batcher)
-        await batcher.stop()
-        worker.shutdown()
-
-    asyncio.run(main(0.5))
-    assert batches == [6]
-    batches.clear()
-    asyncio.run(main(0.0))
-    assert len(batches) > 1 and batches[0] < 6
-
-
-def test_a_session_that_skips_its_draft_waits_for_the_ones_still_drafting(tiny_target) -> None:
-    """Budget 0 queues at once; the drafting session comes a draft's round trip later, past the gap allowed: it
-    still joins the same step while it is known to be drafting (within the last step's time), and does not
-    when it is not."""
-    engine = make_engine(tiny_target)
-    batches = []
-    engine.step = lambda work: batches.append(sorted(sid for sid, _ in work)) or [None] * len(work)
-
-    async def main(known_drafting: bool) -> None:
-        worker = EngineWorker()
-        drafting = {"b"}
-        batcher = StepBatcher(engine, worker, lambda: 2, batch_wait_s=0.03,
-                              drafting=lambda: len(drafting) if known_drafting else 0)
-        batcher.last_step_s = 0.5
-        batcher.start()
-
-        async def drafted() -> None:
-            await asyncio.sleep(0.1)
-            drafting.discard("b")
-            await batcher.submit("b", DraftTree.empty())
-
-        await asyncio.gather(batcher.submit("a", DraftTree.empty()), drafted())
-        await batcher.stop()
-        worker.shutdown()
-
-    asyncio.run(main(True))
-    assert batches == [["a", "b"]]
-    batches.clear()
-    asyncio.run(main(False))
-    assert batches == [["a"], ["b"]]
-
-
-def test_the_time_between_steps_is_measured_while_sessions_step_and_not_across_idle_time(tiny_target) -> None:
-    engine = make_engine(tiny_target)
-    engine.step = lambda work: [None] * len(work)
-    gaps = []
-    stepping = [1]
-
-    async def main() -> None:
-        worker = EngineWorker()
-        batcher = StepBatcher(engine, worker, lambda: stepping[0],
-                              observe=lambda steps, results, seconds, gap: gaps.append(gap))
-        batcher.start()
-        await batcher.submit("a", DraftTree.empty())  # the first step: nothing before it
-        await asyncio.sleep(0.05)  # the session's own work between its steps
-        await batcher.submit("a", DraftTree.empty())
-        stepping[0] = 0  # it stops, the engine idles
-        await batcher.submit("a", DraftTree.empty())
-        await asyncio.sleep(0.05)
-        stepping[0] = 1
-        await batcher.submit("a", DraftTree.empty())
-        await batcher.stop()
-        worker.shutdown()
-
-    asyncio.run(main())
-    assert gaps[0] is None and 0.05 <= gaps[1] < 0.5 and gaps[2] is not None and gaps[3] is None
 
 
 def test_a_drafter_that_reads_features_gets_its_graphs_captured_before_the_first_step(tiny_target) -> None:

@@ -152,19 +152,19 @@ class ReplicaLink:
             on_healthy()
             return
 
-    async def ask(self, session_id: str, step: int, request: drafter_pb2.DrafterRequest,
-                  timeout_s: float) -> drafter_pb2.DrafterReply:
-        loop = asyncio.get_running_loop()
-        future = loop.create_future()
-        self.waiting[(session_id, step)] = future
+    def request(self, session_id: str, step: int, request: drafter_pb2.DrafterRequest) -> asyncio.Future:
+        """Send a step's request; the future gets its reply (ConnectionError when the stream ends first). Raises
+        asyncio.QueueFull when the replica has stopped reading."""
+        future = asyncio.get_running_loop().create_future()
         self.send(request)
-        # NOTE: a timer on the future itself, not asyncio.wait_for: that adds two loop turns to every reply
-        expiry = loop.call_later(timeout_s, _expire, future)
-        try:
-            return await future
-        finally:
-            expiry.cancel()
-            self.waiting.pop((session_id, step), None)  # a late reply is stale and dropped
+        self.waiting[(session_id, step)] = future
+        return future
+
+    def forget(self, session_id: str, step: int) -> None:
+        """No one waits for the step's reply any more: a late one is stale and dropped."""
+        future = self.waiting.pop((session_id, step), None)
+        if future is not None:
+            future.cancel()
 
     async def close(self) -> None:
         self.alive = False
@@ -176,16 +176,22 @@ class ReplicaLink:
         await asyncio.gather(*(task for task in (self.reader, self.prober) if task), return_exceptions=True)
 
 
-def _expire(future: asyncio.Future) -> None:
-    if not future.done():
-        future.set_exception(asyncio.TimeoutError())
-
-
 @dataclass
 class SessionDraftState:
     tokens: Callable[[], list[int]]  # the session's committed tokens (KV contents), read when re-seeding
     features: torch.Tensor | None  # [<= W, F] features of the last committed tokens
     link: ReplicaLink | None = None
+
+
+@dataclass
+class _Asked:
+    """A step's request in flight."""
+
+    state: SessionDraftState
+    link: ReplicaLink
+    session_id: str
+    step: int
+    future: asyncio.Future
 
 
 class DrafterPool:
@@ -350,7 +356,24 @@ class DrafterPool:
         return counter
 
     async def draft(self, step: DraftStep) -> DraftTree | None:
-        """The tree under `step.root`, or None (no replica, timeout, error)."""
+        """One session's tree (see `draft_all`)."""
+        return (await self.draft_all([step]))[0]
+
+    async def draft_all(self, steps: Sequence[DraftStep]) -> list[DraftTree | None]:
+        """The tree under each step's root, or None (no replica, timeout, error). Every request is sent before any
+        is awaited, so each replica takes them in one message, and they share one deadline."""
+        asked = [self._ask(step) for step in steps]
+        futures = [ask.future for ask in asked if ask is not None]
+        try:
+            if futures:
+                await asyncio.wait(futures, timeout=self.timeout_s)
+            return [self._tree(ask) for ask in asked]
+        finally:
+            for ask in asked:
+                if ask is not None and not ask.future.done():
+                    ask.link.forget(ask.session_id, ask.step)
+
+    def _ask(self, step: DraftStep) -> _Asked | None:
         session_id = step.session_id
         self.add_features(session_id, step.features)
         state = self.sessions[session_id]
@@ -364,15 +387,23 @@ class DrafterPool:
             features=to_proto(step.features), root_token_id=step.root, position=step.position,
             tree_budget=step.budget))
         try:
-            reply = await link.ask(session_id, step.step, request, self.timeout_s)
-        except (asyncio.TimeoutError, asyncio.QueueFull):
+            return _Asked(state, link, session_id, step.step, link.request(session_id, step.step, request))
+        except asyncio.QueueFull:
             self._stalled(link)  # NOTE: the link stays recorded, so the next step re-seeds and counts it
             return None
-        except ConnectionError:
+
+    def _tree(self, ask: _Asked | None) -> DraftTree | None:
+        if ask is None:
             return None
+        if not ask.future.done():
+            self._stalled(ask.link)  # NOTE: the link stays recorded, so the next step re-seeds and counts it
+            return None
+        if ask.future.exception() is not None:  # NOTE: the stream ended (ConnectionError)
+            return None
+        reply = ask.future.result()
         if reply.WhichOneof("kind") == "error":
             if reply.error.code == grpc.StatusCode.NOT_FOUND.value[0]:
-                state.link = None
+                ask.state.link = None
             return None
         self._trees_from(reply.tree.replica_id).inc()
         tree = reply.tree.tree

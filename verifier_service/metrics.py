@@ -40,6 +40,9 @@ class VerifierMetrics:
         self.step_gap_seconds = Histogram("ddtree_verifier_step_gap_seconds", "Time from the end of one engine "
                                           "verify step to the start of the next while sessions step (drafts, the "
                                           "loop's own work, waits: what the engine is not running)", registry=r)
+        self.draft_round_seconds = Histogram("ddtree_verifier_draft_round_seconds", "Time from the start of a step "
+                                             "pass until the drafts of all its sessions are in (one round trip to "
+                                             "the drafters; passes that draft nothing are not counted)", registry=r)
         self.kv_pages_used = Gauge("ddtree_verifier_kv_pages_used", "KV pages in use", registry=r)
         self.kv_pages_free = Gauge("ddtree_verifier_kv_pages_free", "KV pages free", registry=r)
         self.sessions = Gauge("ddtree_verifier_sessions", "Open sessions", registry=r)

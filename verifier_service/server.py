@@ -54,10 +54,6 @@ def build_parser() -> argparse.ArgumentParser:
                         help="rows (tree nodes + roots) of one verify step; steps beyond it wait for the next")
     parser.add_argument("--max-batch-sessions", type=int, default=256,
                         help="sessions in one verify step; more wait for the next")
-    parser.add_argument("--batch-wait-ms", type=float, default=5.0,
-                        help="a verify step waits for generating sessions still drafting or streaming their last "
-                             "step, so that they share it, until none has arrived for this long (at most as long as "
-                             "the last step took)")
     parser.add_argument("--gil-switch-interval-ms", type=float, default=0.5,
                         help="Python's thread switch interval (sys.setswitchinterval; Python's default is 5): the "
                              "engine thread lets go of the GIL at every torch call and waits up to this long to take "
@@ -123,8 +119,7 @@ async def serve(args: argparse.Namespace) -> None:
         drafters = DrafterPool(args.drafters, metrics, args.draft_timeout_s, channel_options=channel_options(),
                                auth=auth)
     service = VerifierService(engine, drafters, metrics, tree_budget=args.tree_budget, inline_steps=group is None,
-                              lease_s=args.session_lease_s, budget_policy=args.budget_policy,
-                              batch_wait_s=args.batch_wait_ms / 1e3)
+                              lease_s=args.session_lease_s, budget_policy=args.budget_policy)
 
     server = ServiceServer(SERVICE_NAME, verifier_pb2_grpc.add_VerifierServicer_to_server,
                            VerifierServicer(service, Path(args.target).name), args.listen, server_options(), auth)

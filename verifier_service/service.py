@@ -1,5 +1,5 @@
-"""The verifier's domain behind gRPC: session operations and the generation loop
-(draft -> verify in a shared batch -> stream the step), with the engine on its own thread."""
+"""The verifier's domain behind gRPC: session operations, and generations (a prefill, then steps in the step loop),
+with the engine on its own thread."""
 
 from __future__ import annotations
 
@@ -8,27 +8,24 @@ import contextlib
 import functools
 import logging
 import secrets
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
 from ddtree.progress import track
-from modeling.speculation import StepCursor, feature_tail
-from modeling.tree import DraftTree, TreeError
-from verifier_service.batcher import Step, StepBatcher
+from modeling.speculation import feature_tail
 from verifier_service.drafter_pool import DrafterPool
-from verifier_service.engine.engine import Engine, StepResult
+from verifier_service.engine.engine import Engine
 from verifier_service.engine.prefill import Prefill
 from verifier_service.engine.sampling import SamplingParams
 from verifier_service.engine.session import Session
 from verifier_service.errors import EngineDown, SessionBusy
 from verifier_service.leases import SessionLeases
 from verifier_service.metrics import VerifierMetrics
+from verifier_service.step_loop import StepEvent, StepLoop
 from verifier_service.tree_budget import (
     SHARED_DECAY,
     AdaptiveBudget,
-    BatchShape,
     BudgetPolicy,
     BudgetPolicyName,
     Outcomes,
@@ -44,15 +41,6 @@ T = TypeVar("T")
 
 # NOTE: a lease renewed every second by the gateway; a dead gateway's sessions go after this long.
 DEFAULT_LEASE_S = 30.0
-
-
-@dataclass(frozen=True)
-class StepEvent:
-    step: int
-    result: StepResult
-    drafted_nodes: int
-    draft_wait_s: float
-    verify_s: float
 
 
 @dataclass(frozen=True)
@@ -75,10 +63,9 @@ def _log_warm_up(warming: asyncio.Future) -> None:
 class VerifierService:
     def __init__(self, engine: Engine, drafters: DrafterPool | None, metrics: VerifierMetrics,
                  tree_budget: int = 15, inline_steps: bool = True, lease_s: float = DEFAULT_LEASE_S,
-                 budget_policy: BudgetPolicyName = "fixed", batch_wait_s: float = 0.005):
+                 budget_policy: BudgetPolicyName = "fixed"):
         """tree_budget: the largest budget of a step; budget_policy: verifier_service/tree_budget.py.
-        inline_steps: see EngineWorker (off for a tensor-parallel group). lease_s: see SessionLeases.
-        batch_wait_s: how long a step waits for stepping sessions still drafting or streaming (StepBatcher)."""
+        inline_steps: see EngineWorker (off for a tensor-parallel group). lease_s: see SessionLeases."""
         self.engine, self.drafters, self.metrics, self.tree_budget = engine, drafters, metrics, tree_budget
         self.budget_policy = budget_policy
         self.step_costs = StepCosts()  # NOTE: shared: every session's steps measure the same engine
@@ -86,38 +73,16 @@ class VerifierService:
         self.policies: dict[str, AdaptiveBudget] = {}  # adaptive sessions' policies, across their generations
         self.worker = EngineWorker(inline_steps)
         self.generating: set[str] = set()
-        self.stepping: set[str] = set()  # generating sessions past their prefill, in their step loops
         self.leases = SessionLeases(lease_s)
         self.background: set[asyncio.Task] = set()  # aborted prefills, releases of sessions whose caller went away
         self.reaper: asyncio.Task | None = None
         metrics.watch(engine, self.generating)
-        self.drafting: set[str] = set()  # sessions waiting for a draft: the batcher waits for them
-        self.batcher = StepBatcher(engine, self.worker, lambda: len(self.stepping), self._observe_batch, batch_wait_s,
-                                   lambda: len(self.drafting))
+        self.loop = StepLoop(engine, self.worker, drafters, metrics, self.step_costs)
         self.down_reason: str | None = None  # set once the engine is down: every engine call fails with it
         self.down_signal: asyncio.Future | None = None  # done once the engine is down; what engine calls race
         self.warming: asyncio.Future | None = None
         if drafters is not None:
             drafters.on_info = self._use_drafter_features
-
-    def _observe_batch(self, steps: list[Step], results: list[StepResult], seconds: float,
-                       gap: float | None) -> None:
-        """A verify batch's metrics and costs, once per batch: per session they cost the loop ~20% of a plain
-        session-step (benchmarks/results/verifier_loop.md)."""
-        metrics = self.metrics
-        metrics.batch_sessions.observe(len(steps))
-        metrics.batch_seconds.observe(seconds)
-        if gap is not None:
-            metrics.step_gap_seconds.observe(gap)
-        metrics.steps.inc(len(steps))
-        metrics.drafted.inc(sum(len(tree) for _, tree in steps))
-        metrics.accepted.inc(sum(len(result.accepted) for result in results))
-        for result in results:
-            metrics.acceptance.observe(result.acceptance_length)
-        shape = BatchShape(len(steps), sum(len(tree) + 1 for _, tree in steps))
-        sessions = [self.engine.sessions.get(session_id) for session_id, _ in steps]
-        context = sum(session.kv_len for session in sessions if session) // len(steps)
-        self.step_costs.observe_batch(shape, context, seconds)
 
     def _use_drafter_features(self, info) -> None:
         layers = tuple(info.target_layer_ids)
@@ -135,7 +100,7 @@ class VerifierService:
 
     async def start(self) -> None:
         """Connects the drafters first: a replica that answers now names the feature layers to capture."""
-        self.batcher.start()
+        self.loop.start()
         self.reaper = asyncio.create_task(self._reap_forever(), name="lease-reaper")
         if self.drafters is not None:
             await self.drafters.refresh()
@@ -150,7 +115,7 @@ class VerifierService:
         if self.reaper is not None:
             self.reaper.cancel()
         await asyncio.gather(*self.background, *([self.reaper] if self.reaper else []), return_exceptions=True)
-        await self.batcher.stop()
+        await self.loop.stop()
         if self.drafters is not None:
             await self.drafters.stop()
         self.worker.shutdown()
@@ -159,7 +124,7 @@ class VerifierService:
         """Mark the engine down: in-flight and later engine work fail with EngineDown at once, even while the
         engine thread is stuck (in a collective with a dead rank)."""
         self.down_reason = reason
-        self.batcher.fail(reason)
+        self.loop.fail(reason)
         if self.down_signal is not None and not self.down_signal.done():
             self.down_signal.set_result(None)
 
@@ -178,7 +143,7 @@ class VerifierService:
 
     async def _call(self, fn: Callable[..., T], *args, **kwargs) -> T:
         """fn(*args, **kwargs) on the engine thread, or EngineDown as soon as the engine is marked down. (Verify
-        steps go through the batcher, which fails them itself.)"""
+        steps go through the step loop, which fails them itself.)"""
         if self.down_reason is not None:
             raise EngineDown(self.down_reason)
         loop = asyncio.get_running_loop()
@@ -299,8 +264,9 @@ class VerifierService:
                 if self.drafters is not None:
                     self.drafters.add_features(session_id, features)
             await self._call(self.engine.start_generation, session_id, params)
-            async for event in self._steps(session, budgets):
-                yield event
+            async with contextlib.aclosing(self.loop.steps(session, budgets)) as steps:
+                async for event in steps:  # NOTE: closed before the release below, out of the loop by then
+                    yield event
         finally:
             self.generating.discard(session_id)
             self.leases.grant(session_id)  # NOTE: the lease restarts when the generation lets go of it
@@ -308,57 +274,3 @@ class VerifierService:
                 self.drafters.close_mirror(session_id)
             if not keep_session and self.down_reason is None:
                 await self._release(session_id)
-
-    async def _steps(self, session: Session, budgets: BudgetPolicy) -> AsyncIterator[StepEvent]:
-        """Steps until a stop. The first verifies the pending prompt token alone, so the first token goes out as soon
-        as the prefill is done (as the DDTree reference's prefill emits it) and the first draft starts from it.
-        Every later step drafts a tree of the budget `budgets` chooses; each step's times teach `step_costs`."""
-        cursor = StepCursor(session.session_id, session.kv_len)
-        self.stepping.add(session.session_id)  # NOTE: from here the batcher waits for this session's steps
-        try:
-            while True:
-                started = time.perf_counter()
-                context, choosing = session.kv_len, cursor.step > 0 and self.drafters is not None
-                budget = budgets.choose(context) if choosing else 0
-                seeding = bool(budget) and not self.drafters.is_open(session.session_id)
-                tree = await self._draft(cursor, session.root, budget) if cursor.step else None
-                verifying = tree or DraftTree.empty()
-                drafted = time.perf_counter()
-                result = await self.batcher.submit(session.session_id, verifying)  # NOTE: fails when the engine does
-                verified = time.perf_counter()
-                self.metrics.step_seconds.observe(verified - drafted)
-                if choosing:
-                    self.metrics.tree_budget.observe(budget)
-                if tree is not None and budget and not seeding:  # NOTE: opening a mirror is no cost of its steps
-                    self.step_costs.observe_draft(budget, context, drafted - started)
-                budgets.observe(budget, tree, result.path)
-                event = StepEvent(cursor.step, result, len(verifying), drafted - started, verified - drafted)
-                cursor.advance(result.committed, result.features, result.commit_start, drafted=budget > 0)
-                yield event
-                if result.finished:
-                    return
-        finally:
-            self.stepping.discard(session.session_id)
-            if self.drafters is not None:  # NOTE: features no draft carried, for the next turn's seed
-                self.drafters.add_features(session.session_id, cursor.features)
-
-    async def _draft(self, cursor: StepCursor, root: int, budget: int) -> DraftTree | None:
-        """The tree to verify; None when none came (no drafter, a miss, a bad tree)."""
-        if self.drafters is None:
-            return None
-        if budget == 0:  # NOTE: the cursor keeps this step's tokens for the next draft
-            return DraftTree.empty()
-        self.drafting.add(cursor.session_id)
-        try:
-            tree = await self.drafters.draft(cursor.draft_step(root, budget))
-        finally:
-            self.drafting.discard(cursor.session_id)
-        if tree is None:
-            self.metrics.draft_misses.inc()
-            return None
-        try:
-            tree.validate(self.engine.model_config.vocab_size, self.engine.config.max_tree_nodes)
-        except TreeError:
-            self.metrics.bad_trees.inc()  # NOTE: a bad tree costs one step of speculation, nothing more
-            return None
-        return tree

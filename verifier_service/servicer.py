@@ -16,7 +16,8 @@ from verifier_service.engine.sampling import SamplingParams
 from verifier_service.engine.session import Session
 from verifier_service.engine.stopping import StopReason
 from verifier_service.generation_stream import RUN_AHEAD_EVENTS, serve_generations
-from verifier_service.service import PrefillEvent, StepEvent, VerifierService
+from verifier_service.service import PrefillEvent, VerifierService
+from verifier_service.step_loop import StepEvent
 
 T = TypeVar("T")
 

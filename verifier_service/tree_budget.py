@@ -152,7 +152,7 @@ class CostModel:
 
 
 class BatchShape(NamedTuple):
-    """One verify step of the batcher: its sessions and rows (tree nodes and roots)."""
+    """One engine verify step: its sessions and rows (tree nodes and roots)."""
 
     sessions: int
     rows: int
@@ -173,7 +173,7 @@ class StepCosts:
     drafts: list[tuple[int, int, float]] = field(default_factory=list)  # measured since the last verify step
 
     def observe_batch(self, batch: BatchShape, context: int, seconds: float) -> None:
-        """A verify step of the batcher took `seconds`; `context`: its sessions' mean KV length. The drafts of
+        """An engine verify step took `seconds`; `context`: its sessions' mean KV length. The drafts of
         the step's sessions are learnt now too, so the models change once per step and their estimates are
         remembered in between (a batch's sessions ask them a dozen times each)."""
         for draft in self.drafts:

@@ -1,0 +1,224 @@
+"""The step loop: every stepping session in every pass, one draft round per pass, batches split by the engine's
+limits in joining order, a failed step isolated to its session, a slow consumer sitting passes out, a generation
+that leaves never stepped again, and exact outputs through the real engine."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from dataclasses import dataclass, field
+
+from modeling.speculation import DraftStep
+from modeling.tree import DraftTree
+from tests.engine_helpers import GREEDY, make_engine, plain_generate
+from verifier_service.engine.config import EngineConfig
+from verifier_service.engine.engine import StepResult
+from verifier_service.engine.sampling import SamplingParams
+from verifier_service.engine.stopping import StopReason
+from verifier_service.errors import InvalidArgument
+from verifier_service.metrics import VerifierMetrics
+from verifier_service.service import VerifierService
+from verifier_service.step_loop import RUN_AHEAD, StepEvent, StepLoop
+from verifier_service.tree_budget import FixedBudget, StepCosts
+from verifier_service.worker import EngineWorker
+
+PROMPT = list(b"one loop steps them all")
+
+
+@dataclass
+class FakeSession:
+    session_id: str
+    kv_len: int = 8
+    root: int = 1
+
+
+@dataclass
+class FakeModelConfig:
+    vocab_size: int = 256
+
+
+@dataclass
+class FakeEngine:
+    """Steps sessions for `lengths[session]` steps each; records every batch's session ids and thread."""
+
+    lengths: dict[str, int]
+    config: EngineConfig = field(default_factory=EngineConfig)
+    model_config: FakeModelConfig = field(default_factory=FakeModelConfig)
+    batches: list[list[str]] = field(default_factory=list)
+    threads: list[int] = field(default_factory=list)
+    failing: str | None = None  # a session whose every step the engine refuses
+
+    def __post_init__(self) -> None:
+        self.sessions = {sid: FakeSession(sid) for sid in self.lengths}
+        self.done = dict.fromkeys(self.lengths, 0)
+
+    def step(self, work: list[tuple[str, DraftTree]]) -> list[StepResult]:
+        if self.failing in [sid for sid, _ in work]:
+            raise InvalidArgument(f"session {self.failing}: refused")
+        self.batches.append([sid for sid, _ in work])
+        self.threads.append(threading.get_ident())
+        results = []
+        for sid, _ in work:
+            self.done[sid] += 1
+            finished = StopReason.LENGTH if self.done[sid] == self.lengths[sid] else None
+            results.append(StepResult(sid, [], [], [7], 0, [7], None, finished))
+        return results
+
+
+class ChainDrafters:
+    """A drafter pool that answers every step at once with a chain of the session's size."""
+
+    def __init__(self, sizes: dict[str, int]):
+        self.sizes, self.rounds = sizes, []
+
+    def is_open(self, session_id: str) -> bool:
+        return True
+
+    def add_features(self, session_id: str, features) -> None:
+        pass
+
+    async def draft_all(self, steps: list[DraftStep]) -> list[DraftTree]:
+        self.rounds.append(sorted(step.session_id for step in steps))
+        return [DraftTree.chain([3] * self.sizes[step.session_id]) for step in steps]
+
+
+def run_loop(engine: FakeEngine, drafters: ChainDrafters | None, consume) -> VerifierMetrics:
+    """Start a loop over `engine`, run `consume(loop)`, stop the loop; returns its metrics."""
+    metrics = VerifierMetrics()
+
+    async def main() -> None:
+        worker = EngineWorker()
+        loop = StepLoop(engine, worker, drafters, metrics, StepCosts())
+        loop.start()
+        try:
+            await consume(loop)
+        finally:
+            await loop.stop()
+            worker.shutdown()
+
+    asyncio.run(main())
+    return metrics
+
+
+async def read_all(loop: StepLoop, session: FakeSession, budget: int = 15) -> list:
+    return [event async for event in loop.steps(session, FixedBudget(budget))]
+
+
+def test_every_stepping_session_is_in_every_step_and_drafts_in_one_round() -> None:
+    engine = FakeEngine({f"s{i}": 5 for i in range(6)})
+    drafters = ChainDrafters(dict.fromkeys(engine.lengths, 3))
+
+    async def consume(loop: StepLoop) -> None:
+        events = await asyncio.gather(*(read_all(loop, session) for session in engine.sessions.values()))
+        assert [len(e) for e in events] == [5] * 6 and all(e[-1].result.finished for e in events)
+        assert [event.step for event in events[0]] == list(range(5))
+        assert [event.drafted_nodes for event in events[0]] == [0, 3, 3, 3, 3]  # the first step drafts nothing
+
+    run_loop(engine, drafters, consume)
+    assert engine.batches == [sorted(engine.lengths)] * 5
+    assert drafters.rounds == [sorted(engine.lengths)] * 4
+
+
+def test_an_overload_is_split_over_engine_steps_in_joining_order() -> None:
+    """More rows or sessions than one engine step takes go in several steps of one pass, the earliest-joined
+    first; every step is answered, none is refused."""
+    sizes = dict(zip([f"s{i}" for i in range(8)], [15, 15, 15, 3, 3, 3, 15, 0]))
+    limits = EngineConfig(max_batch_tokens=40, max_batch_sessions=3, max_tree_nodes=15)
+    engine = FakeEngine(dict.fromkeys(sizes, 2), limits)
+
+    async def consume(loop: StepLoop) -> None:
+        await asyncio.gather(*(read_all(loop, session) for session in engine.sessions.values()))
+
+    run_loop(engine, ChainDrafters(sizes), consume)
+    first_pass, second_pass = engine.batches[:3], engine.batches[3:]
+    assert first_pass == [["s0", "s1", "s2"], ["s3", "s4", "s5"], ["s6", "s7"]]  # no drafts: 3 sessions a step
+    assert second_pass == [["s0", "s1"], ["s2", "s3", "s4"], ["s5", "s6", "s7"]]  # 32 of 40 rows, then 3 sessions
+
+
+def test_a_refused_step_fails_its_own_generation_and_no_other() -> None:
+    engine = FakeEngine({"good": 4, "bad": 4}, failing="bad")
+
+    async def consume(loop: StepLoop) -> None:
+        good, bad = await asyncio.gather(read_all(loop, engine.sessions["good"]),
+                                         read_all(loop, engine.sessions["bad"]), return_exceptions=True)
+        assert len(good) == 4 and isinstance(bad, InvalidArgument)
+
+    run_loop(engine, None, consume)
+    assert engine.batches == [["good"]] * 4
+
+
+def test_a_consumer_that_stops_reading_sits_passes_out_and_holds_no_one_up() -> None:
+    engine = FakeEngine({"reader": 20, "stalled": 20})
+
+    async def consume(loop: StepLoop) -> None:
+        stalled = loop.steps(engine.sessions["stalled"], FixedBudget(0))
+        await anext(stalled)  # NOTE: then reads no more
+        assert len(await read_all(loop, engine.sessions["reader"])) == 20
+        await stalled.aclose()
+
+    run_loop(engine, None, consume)
+    stepped = sum("stalled" in batch for batch in engine.batches)
+    assert stepped <= 1 + RUN_AHEAD + 1 and sum("reader" in batch for batch in engine.batches) == 20
+
+
+def test_the_step_runs_on_the_engine_thread_while_a_consumer_has_an_event_to_stream() -> None:
+    """The first step finds no consumer waiting and runs on the loop; the next starts right after it, before the
+    consumer took its event, so it runs on the engine thread while the consumer streams."""
+    engine = FakeEngine({"a": 2})
+
+    async def consume(loop: StepLoop) -> None:
+        await read_all(loop, engine.sessions["a"])
+
+    run_loop(engine, None, consume)
+    assert engine.threads[0] == threading.get_ident() != engine.threads[1]
+
+
+def test_the_time_between_steps_is_measured_while_sessions_step_and_not_across_idle_time() -> None:
+    engine = FakeEngine({"a": 3, "b": 1})
+
+    async def consume(loop: StepLoop) -> None:
+        await read_all(loop, engine.sessions["a"])
+        await asyncio.sleep(0.1)  # the engine idles
+        await read_all(loop, engine.sessions["b"])
+
+    metrics = run_loop(engine, None, consume)
+    gaps = metrics.step_gap_seconds.collect()[0].samples
+    count = next(sample.value for sample in gaps if sample.name.endswith("_count"))
+    total = next(sample.value for sample in gaps if sample.name.endswith("_sum"))
+    assert count == 2 and total < 0.1  # between a's three steps; none across the idle time before b's
+
+
+def test_generations_through_the_loop_stay_exact_and_one_that_leaves_is_not_stepped_again(tiny_target) -> None:
+    """Four sessions generate together (fp32 on the CPU: each equals plain decoding); a fifth is cancelled
+    mid-generation: its session is released and no later step names it."""
+    engine = make_engine(tiny_target)
+    batches: list[list[str]] = []
+    step = engine.step
+    engine.step = lambda work: batches.append([sid for sid, _ in work]) or step(work)
+    prompts = [PROMPT, PROMPT[:9], PROMPT[3:], list(b"another prompt")]
+
+    async def main() -> tuple[list[list[int]], str]:
+        service = VerifierService(engine, None, VerifierMetrics())
+        await service.start()
+
+        async def generate(prompt: list[int], params: SamplingParams = GREEDY) -> list[int]:
+            session = await service.create_session(prompt)
+            return [t async for e in service.generate(session.session_id, [], params, False)
+                    if isinstance(e, StepEvent) for t in e.result.emitted]
+
+        leaving = await service.create_session(PROMPT)
+        steps = service.generate(leaving.session_id, [], GREEDY, False)
+        await anext(steps)
+        outputs = asyncio.gather(*(generate(prompt) for prompt in prompts))
+        await asyncio.sleep(0.05)
+        await steps.aclose()
+        outputs = await outputs
+        await service.stop()
+        return outputs, leaving.session_id
+
+    outputs, left = asyncio.run(main())
+    assert outputs == [plain_generate(engine, prompt) for prompt in prompts]
+    last = max(i for i, batch in enumerate(batches) if left in batch)
+    assert any(len(batch) > 1 for batch in batches[last + 1:])
+    assert not engine.sessions and engine.pool.num_free == engine.pool.num_pages
+

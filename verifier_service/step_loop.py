@@ -1,0 +1,269 @@
+"""The one loop that steps every generation past its prefill (the scheduling loop of nano-vllm's and vLLM's
+engines). Each pass chooses every session's budget, asks the drafters for all the trees at once (one batch message
+per replica, one deadline), verifies them together in one engine step (more when the batch limits split them,
+the longest-stepping sessions first), and hands each session its step's event. Sessions join between passes (one
+that joins while the drafts are out steps in the same pass: its first step needs no draft) and leave at any time.
+
+A pass's host work runs beside the GPU: the step runs on the engine thread while this loop hands out and streams
+the last step's events, and the drafters' round trip leaves the loop to the consumers too. A consumer that falls
+`RUN_AHEAD` events behind sits passes out until it catches up, rather than letting steps pile up for it."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from modeling.speculation import StepCursor
+from modeling.tree import DraftTree, TreeError
+from verifier_service.drafter_pool import DrafterPool
+from verifier_service.engine.engine import Engine, StepResult
+from verifier_service.engine.session import Session
+from verifier_service.errors import EngineDown
+from verifier_service.metrics import VerifierMetrics
+from verifier_service.tree_budget import BatchShape, BudgetPolicy, StepCosts
+from verifier_service.worker import EngineWorker
+
+log = logging.getLogger(__name__)
+
+# NOTE: a consumer hands its events on at once (to its stream's outbox, which has its own limit and the gateway's
+# credit): only a consumer held up downstream has two waiting, and it sits passes out until it takes them.
+RUN_AHEAD = 2
+
+
+@dataclass(frozen=True)
+class StepEvent:
+    step: int
+    result: StepResult
+    drafted_nodes: int
+    draft_wait_s: float  # from the pass's start until its drafts were in
+    verify_s: float  # from then until the session's engine step ended
+
+
+class Stepper:
+    """One generation in the loop: its session, where its drafting stands, its budget policy, and the events
+    (or the error) its consumer has not taken yet."""
+
+    def __init__(self, session: Session, budgets: BudgetPolicy):
+        self.session, self.budgets = session, budgets
+        self.session_id = session.session_id
+        self.cursor = StepCursor(session.session_id, session.kv_len)
+        self.events: collections.deque[StepEvent | BaseException] = collections.deque()
+        self.arrived = asyncio.Event()
+
+    def put(self, item: StepEvent | BaseException) -> None:
+        self.events.append(item)
+        self.arrived.set()
+
+    async def next(self) -> StepEvent:
+        while not self.events:
+            self.arrived.clear()
+            await self.arrived.wait()
+        item = self.events.popleft()
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+
+@dataclass
+class _Planned:
+    """A stepper's part of one pass."""
+
+    stepper: Stepper
+    budget: int
+    tree: DraftTree | None = None  # None: none came (no drafter, a miss, a bad tree)
+    seeding: bool = False  # its draft opened a mirror first (no cost of its steps)
+
+
+class StepLoop:
+    def __init__(self, engine: Engine, worker: EngineWorker, drafters: DrafterPool | None,
+                 metrics: VerifierMetrics, costs: StepCosts):
+        self.engine, self.worker, self.drafters, self.metrics, self.costs = engine, worker, drafters, metrics, costs
+        self.steppers: dict[str, Stepper] = {}  # in joining order: the longest-stepping first in a split pass
+        self.wakeup = asyncio.Event()
+        self.busy_since: float | None = None  # when the latest engine step ended, while sessions were stepping
+        self.down_reason: str | None = None
+        self.task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self.task = asyncio.create_task(self._run(), name="step-loop")
+
+    async def stop(self) -> None:
+        if self.task:
+            self.task.cancel()
+            await asyncio.gather(self.task, return_exceptions=True)
+
+    def fail(self, reason: str) -> None:
+        """The engine is down: every stepping generation fails with EngineDown now (the engine thread may be stuck
+        in a collective with a dead rank), and so does every later one."""
+        self.down_reason = reason
+        for stepper in self.steppers.values():
+            stepper.put(EngineDown(reason))
+        self.steppers.clear()
+
+    async def steps(self, session: Session, budgets: BudgetPolicy) -> AsyncIterator[StepEvent]:
+        """The session's steps until a stop. The first verifies the pending prompt token alone, so the first token
+        goes out as soon as the prefill is done (as the DDTree reference's prefill emits it) and the first draft
+        starts from it."""
+        if self.down_reason is not None:
+            raise EngineDown(self.down_reason)
+        stepper = Stepper(session, budgets)
+        self.steppers[stepper.session_id] = stepper
+        self.wakeup.set()
+        try:
+            while True:
+                event = await stepper.next()
+                if len(stepper.events) == RUN_AHEAD - 1:
+                    self.wakeup.set()  # NOTE: it had sat passes out: room again
+                yield event
+                if event.result.finished:
+                    return
+        finally:
+            self._drop(stepper)
+            if self.drafters is not None:  # NOTE: features no draft carried, for the next turn's seed
+                self.drafters.add_features(stepper.session_id, stepper.cursor.features)
+
+    def _drop(self, stepper: Stepper) -> None:
+        if self.steppers.get(stepper.session_id) is stepper:
+            del self.steppers[stepper.session_id]
+
+    def _ready(self) -> list[Stepper]:
+        return [stepper for stepper in self.steppers.values() if len(stepper.events) < RUN_AHEAD]
+
+    async def _run(self) -> None:
+        while True:
+            steppers = self._ready()
+            if not steppers or self.down_reason is not None:
+                self.busy_since = None  # NOTE: an idle engine is no host overhead
+                self.wakeup.clear()
+                await self.wakeup.wait()
+                continue
+            try:
+                await self._pass(steppers)
+            except Exception as error:  # noqa: BLE001 - the loop outlives a failed pass; its generations end
+                log.exception("a step pass failed")
+                for stepper in steppers:
+                    self._drop(stepper)
+                    stepper.put(error)
+
+    async def _pass(self, steppers: list[Stepper]) -> None:
+        started = time.perf_counter()
+        plans = [_Planned(stepper, self._budget(stepper)) for stepper in steppers]
+        drafting = [plan for plan in plans if plan.budget]
+        await self._draft(drafting)
+        drafted = time.perf_counter()
+        if drafting:
+            self.metrics.draft_round_seconds.observe(drafted - started)
+        planned = {plan.stepper.session_id for plan in plans}
+        # NOTE: a generation that left while the drafts were out must not step (its session is being released); one
+        # that joined meanwhile steps now, since its first step needs no draft
+        plans = [plan for plan in plans if self.steppers.get(plan.stepper.session_id) is plan.stepper]
+        plans += [_Planned(stepper, 0) for stepper in self._ready()
+                  if stepper.session_id not in planned and stepper.cursor.step == 0]
+        for batch in self._batches(plans):
+            await self._verify(batch, started, drafted)
+
+    def _budget(self, stepper: Stepper) -> int:
+        if stepper.cursor.step == 0 or self.drafters is None:
+            return 0
+        return stepper.budgets.choose(stepper.session.kv_len)
+
+    async def _draft(self, plans: list[_Planned]) -> None:
+        """Every plan's tree, asked together; a miss or a bad tree costs its session one step of speculation."""
+        if not plans:
+            return
+        drafters = self.drafters
+        for plan in plans:
+            plan.seeding = not drafters.is_open(plan.stepper.session_id)
+        steps = [plan.stepper.cursor.draft_step(plan.stepper.session.root, plan.budget) for plan in plans]
+        for plan, tree in zip(plans, await drafters.draft_all(steps)):
+            plan.tree = self._checked(tree)
+
+    def _checked(self, tree: DraftTree | None) -> DraftTree | None:
+        if tree is None:
+            self.metrics.draft_misses.inc()
+            return None
+        try:
+            tree.validate(self.engine.model_config.vocab_size, self.engine.config.max_tree_nodes)
+        except TreeError:
+            self.metrics.bad_trees.inc()  # NOTE: a bad tree costs one step of speculation, nothing more
+            return None
+        return tree
+
+    def _batches(self, plans: list[_Planned]) -> list[list[_Planned]]:
+        """The pass's steps in engine batches of at most max_batch_tokens rows and max_batch_sessions sessions (a
+        step that fits nowhere goes alone, and the engine refuses it)."""
+        config, batches, rows = self.engine.config, [], 0
+        for plan in plans:
+            size = (len(plan.tree) if plan.tree else 0) + 1
+            if not batches or rows + size > config.max_batch_tokens or len(batches[-1]) == config.max_batch_sessions:
+                batches.append([])
+                rows = 0
+            batches[-1].append(plan)
+            rows += size
+        return batches
+
+    async def _verify(self, batch: list[_Planned], started: float, drafted: float) -> None:
+        steps = [(plan.stepper.session_id, plan.tree or DraftTree.empty()) for plan in batch]
+        # NOTE: inline only when no consumer waits for the loop: otherwise they stream while the GPU works
+        idle = not any(stepper.events for stepper in self.steppers.values())
+        call: Callable = self.worker.step_call if idle else self.worker.call
+        step_started = time.perf_counter()
+        try:
+            results = await call(self.engine.step, steps)
+        except Exception as error:  # noqa: BLE001 - handed to the generation at fault
+            if self.down_reason is not None:
+                return
+            if len(batch) == 1:
+                self._drop(batch[0].stepper)
+                batch[0].stepper.put(error)
+                return
+            # NOTE: the engine validates and reserves pages before it runs anything, so a failed batch changed
+            # nothing; stepping the sessions one by one isolates the one at fault.
+            for plan in batch:
+                await self._verify([plan], started, drafted)
+            return
+        ended = time.perf_counter()
+        gap = None if self.busy_since is None else step_started - self.busy_since
+        self.busy_since = ended
+        self._observe_batch(steps, results, ended - step_started, gap)
+        for plan, result in zip(batch, results):
+            self._deliver(plan, result, started, drafted, ended)
+
+    def _deliver(self, plan: _Planned, result: StepResult, started: float, drafted: float, ended: float) -> None:
+        stepper, budget, tree = plan.stepper, plan.budget, plan.tree
+        if self.steppers.get(stepper.session_id) is not stepper:
+            return  # NOTE: its generation left during the step
+        self.metrics.step_seconds.observe(ended - drafted)
+        if stepper.cursor.step and self.drafters is not None:
+            self.metrics.tree_budget.observe(budget)
+        if tree is not None and budget and not plan.seeding:  # NOTE: opening a mirror is no cost of its steps
+            self.costs.observe_draft(budget, stepper.session.kv_len, drafted - started)
+        stepper.budgets.observe(budget, tree, result.path)
+        event = StepEvent(stepper.cursor.step, result, len(tree) if tree else 0, drafted - started, ended - drafted)
+        stepper.cursor.advance(result.committed, result.features, result.commit_start, drafted=budget > 0)
+        if result.finished:
+            self._drop(stepper)  # NOTE: before the next pass, which must not step a finished generation
+        stepper.put(event)
+
+    def _observe_batch(self, steps: list[tuple[str, DraftTree]], results: list[StepResult], seconds: float,
+                       gap: float | None) -> None:
+        """A verify batch's metrics and costs, once per batch: per session they cost the loop ~20% of a plain
+        session-step (benchmarks/results/verifier_loop.md)."""
+        metrics = self.metrics
+        metrics.batch_sessions.observe(len(steps))
+        metrics.batch_seconds.observe(seconds)
+        if gap is not None:
+            metrics.step_gap_seconds.observe(gap)
+        metrics.steps.inc(len(steps))
+        metrics.drafted.inc(sum(len(tree) for _, tree in steps))
+        metrics.accepted.inc(sum(len(result.accepted) for result in results))
+        for result in results:
+            metrics.acceptance.observe(result.acceptance_length)
+        shape = BatchShape(len(steps), sum(len(tree) + 1 for _, tree in steps))
+        sessions = [self.engine.sessions.get(session_id) for session_id, _ in steps]
+        context = sum(session.kv_len for session in sessions if session) // len(steps)
+        self.costs.observe_batch(shape, context, seconds)
