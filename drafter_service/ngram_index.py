@@ -1,9 +1,13 @@
 """The n-gram (prompt lookup) drafter: no weights, CPU.
 
 It guesses that the text repeats itself: the longest suffix n-gram of a session's history that occurred
-before is looked up, and what followed its earlier occurrences becomes the draft. Continuations of
-different occurrences share prefixes, so they form a trie; the tree keeps the `budget` trie nodes that
-the most occurrences pass through (the most frequent prefixes: DDTree's rule with the empirical
+before is looked up, and what followed its earlier occurrences becomes the draft. The lookup scans the history
+(numpy arrays of its tokens and of its adjacent pairs) instead of keeping an index of every n-gram: an index costs a
+dict insert per token and n-gram size on every step and on every seed (0.9 s for a 128k-token history, on the round
+of the session's first draft), a scan ~50 us per step at 128k and less below (benchmarks/results/ngram_drafter.md).
+
+Continuations of different occurrences share prefixes, so they form a trie; the tree keeps the `budget` trie nodes
+that the most occurrences pass through (the most frequent prefixes: DDTree's rule with the empirical
 conditional distribution), shallower first on equal counts.
 
 Why a trie rather than per-depth distributions fed to the DDTree builder: continuations keep their
@@ -17,18 +21,38 @@ step, extend() it with the accepted tokens and the new pending token.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+
+import numpy as np
 
 from modeling.tree import DraftTree
 
 
-@dataclass
 class _Session:
-    """One session's tokens and, per n, where each n-gram's continuations start."""
+    """One session's tokens: as a list (what the drafter reads and slices), in a numpy buffer, and as the key of
+    each adjacent pair (`pairs[p]` packs tokens p - 1 and p: one scan over it finds a bigram's occurrences, which
+    are far rarer than a token's), the buffers grown by doubling."""
 
-    tokens: list[int] = field(default_factory=list)
-    # index[n - min_n][ngram] = ascending positions p with tokens[p - n:p] == ngram
-    index: list[dict[tuple[int, ...], list[int]]] = field(default_factory=list)
+    def __init__(self, tokens: list[int]):
+        self.tokens: list[int] = []
+        self.buffer = np.empty(max(64, 2 * len(tokens)), dtype=np.int64)
+        self.pairs = np.empty_like(self.buffer)
+        self.append(tokens)
+
+    def append(self, new_tokens: list[int]) -> None:
+        start = len(self.tokens)
+        self.tokens.extend(int(t) for t in new_tokens)
+        end = len(self.tokens)
+        if end > len(self.buffer):
+            self.buffer, self.pairs = _grown(self.buffer, start, 2 * end), _grown(self.pairs, start, 2 * end)
+        self.buffer[start:end] = self.tokens[start:end]
+        first = max(start, 1)
+        self.pairs[first:end] = (self.buffer[first - 1:end - 1] << 32) | self.buffer[first:end]
+
+
+def _grown(array: np.ndarray, used: int, size: int) -> np.ndarray:
+    grown = np.empty(size, dtype=array.dtype)
+    grown[:used] = array[:used]
+    return grown
 
 
 class NgramIndex:
@@ -48,13 +72,11 @@ class NgramIndex:
 
     def open(self, session_id: str, tokens: list[int]) -> None:
         """Start (or restart) a session from its history; the last token is the pending token."""
-        session = _Session(index=[{} for _ in range(self.min_n, self.max_n + 1)])
-        self._sessions[session_id] = session
-        self._append(session, tokens)
+        self._sessions[session_id] = _Session(tokens)
 
     def extend(self, session_id: str, new_tokens: list[int]) -> None:
-        """Append newly committed tokens and the new pending token; O(len(new_tokens) x n sizes)."""
-        self._append(self._sessions[session_id], new_tokens)
+        """Append newly committed tokens and the new pending token."""
+        self._sessions[session_id].append(new_tokens)
 
     def close(self, session_id: str) -> None:
         self._sessions.pop(session_id, None)
@@ -74,27 +96,32 @@ class NgramIndex:
         tokens = session.tokens
         return _trie_tree([_continuation(tokens, p, max_depth) for p in self._match_starts(session)], budget)
 
-    def _append(self, session: _Session, new_tokens: list[int]) -> None:
-        tokens = session.tokens
-        old_len = len(tokens)
-        tokens.extend(int(t) for t in new_tokens)
-        for n, grams in zip(range(self.min_n, self.max_n + 1), session.index):
-            first_end = max(n, old_len + 1)
-            # the n-grams ending at first_end, first_end + 1, ..., len(tokens), as tuples
-            ngrams = zip(*(tokens[first_end - n + i:] for i in range(n)))
-            for end, ngram in enumerate(ngrams, start=first_end):
-                grams.setdefault(ngram, []).append(end)
-
     def _match_starts(self, session: _Session) -> list[int]:
-        """Continuation starts of the longest earlier-seen suffix n-gram, most recent first."""
-        tokens = session.tokens
-        for n in range(min(self.max_n, len(tokens)), self.min_n - 1, -1):
-            positions = session.index[n - self.min_n].get(tuple(tokens[-n:]), [])
-            # NOTE: the last position is the suffix itself (it ends the history): not a match.
-            earlier = positions[-1 - self.max_matches:-1]
-            if earlier:
-                return earlier[::-1]
-        return []
+        """Continuation starts of the longest earlier-seen suffix n-gram, most recent first: the ends p < len of
+        its earlier occurrences (tokens[p - n:p] equal to the suffix; p = len is the suffix itself). One scan finds
+        the suffix bigram's earlier ends, and each longer n narrows them by one more token; with no earlier bigram,
+        a scan for the last token."""
+        length = len(session.tokens)
+        history = session.buffer[:length]
+        ends = np.flatnonzero(session.pairs[1:length - 1] == session.pairs[length - 1]) + 2 if length > 2 else []
+        if not len(ends) or self.max_n < 2:
+            if self.min_n > 1:
+                return []
+            return _recent(np.flatnonzero(history[:length - 1] == history[length - 1]) + 1, self.max_matches)
+        found = ends if self.min_n <= 2 else ends[:0]
+        for n in range(3, min(self.max_n, length) + 1):
+            ends = ends[ends >= n]
+            ends = ends[history[ends - n] == history[length - n]]
+            if not len(ends):
+                break
+            if n >= self.min_n:
+                found = ends
+        return _recent(found, self.max_matches)
+
+
+def _recent(ends: np.ndarray, count: int) -> list[int]:
+    """The last `count` ends, most recent first."""
+    return ends[-count:][::-1].tolist()
 
 
 def _continuation(tokens: list[int], start: int, length: int) -> list[int]:

@@ -74,6 +74,13 @@ def test_verifier_loop_smoke_run_writes_its_table(tmp_path: Path) -> None:
     assert all(r["loop_cpu_us_per_session_step"] > 0 for r in (plain, speculative, adaptive))
 
 
+def test_ngram_drafter_smoke_run_writes_its_table(tmp_path: Path) -> None:
+    run_benchmark("ngram_drafter.py", "--contexts", "300", "--steps", "5", "--out-dir", str(tmp_path))
+    rows = json.loads((tmp_path / "ngram_drafter.json").read_text())["rows"]
+    assert [(r["text"], r["context"]) for r in rows] == [("repetitive", 300), ("varied", 300)]
+    assert rows[0]["mean_tree_nodes"] > 0 and all(r["seed_ms"] > 0 and r["step_us_p50"] > 0 for r in rows)
+
+
 def test_budget_simulation_smoke_run_writes_its_table(tmp_path: Path) -> None:
     run_benchmark("budget_simulation.py", "--sessions", "1", "--out-dir", str(tmp_path))
     rows = json.loads((tmp_path / "budget_simulation.json").read_text())["rows"]

@@ -90,3 +90,24 @@ def test_equal_counts_prefer_shallow_then_recent() -> None:
     tree = _drafter([4, 1, 2, 0, 4, 3, 5, 0, 4], min_n=1, max_n=1).draft("s", budget=3, max_depth=2)
     paths = [tuple(tree.tokens[i] for i in tree.path_to(n)) for n in range(len(tree))]
     assert paths == [(3,), (1,), (3, 5)]
+
+
+def _reference_starts(tokens: list[int], min_n: int, max_n: int, max_matches: int) -> list[int]:
+    """Where the continuations of the longest earlier-seen suffix n-gram start, by brute force."""
+    for n in range(min(max_n, len(tokens)), min_n - 1, -1):
+        suffix = tokens[-n:]
+        ends = [p for p in range(n, len(tokens)) if tokens[p - n:p] == suffix]
+        if ends:
+            return ends[-max_matches:][::-1]
+    return []
+
+
+@pytest.mark.parametrize(("min_n", "max_n"), [(1, 4), (1, 1), (2, 3), (3, 5)])
+def test_the_suffix_lookup_matches_a_brute_force_search(min_n: int, max_n: int) -> None:
+    rng = random.Random(min_n * 10 + max_n)
+    for _ in range(200):
+        vocab = rng.choice([2, 3, 8, 100])
+        tokens = [rng.randrange(vocab) for _ in range(rng.randrange(1, 60))]
+        index = NgramIndex(min_n=min_n, max_n=max_n, max_matches=5)
+        index.open("s", tokens)
+        assert index._match_starts(index._sessions["s"]) == _reference_starts(tokens, min_n, max_n, 5), tokens
