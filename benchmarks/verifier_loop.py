@@ -1,8 +1,9 @@
 """The verifier's event loop per session-step, engine work excluded: S sessions generate at once in a
 VerifierService (the tiny model on the CPU, its steps on the engine thread), plain or drafting with an n-gram
-replica in its own process over real gRPC, with a fixed or the adaptive tree budget. The loop thread's CPU time
-per session-step is what the serving loop itself costs (drafts, batching, results, events, metrics), and what it
-takes from the engine thread's GIL on a GPU.
+replica in its own process over real gRPC, with a fixed or the adaptive tree budget; read from the service itself,
+or over a real GenerateStream (the verifier's servicer on a port, a gateway's GenerationStream client on a thread
+of its own). The loop thread's CPU time per session-step is what the serving loop itself costs (drafts, batching,
+results, events, metrics, and over the stream its messages), and what it takes from the engine thread's GIL on a GPU.
 
     python benchmarks/verifier_loop.py [--sessions 64] [--tokens 96] [--profile]
 """
@@ -20,49 +21,78 @@ import sys
 import time
 from pathlib import Path
 
+import grpc
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.e2e_step import titled_table, write_results  # noqa: E402
 from ddtree.local_stack import ensure_tiny_model, free_port, wait_healthy  # noqa: E402
+from gateway.generation_streams import GenerationStream  # noqa: E402
+from proto import common_pb2, verifier_pb2, verifier_pb2_grpc  # noqa: E402
 from verifier_service.drafter_pool import DrafterPool  # noqa: E402
 from verifier_service.engine.config import EngineConfig  # noqa: E402
 from verifier_service.engine.engine import Engine  # noqa: E402
 from verifier_service.engine.sampling import SamplingParams  # noqa: E402
 from verifier_service.metrics import VerifierMetrics  # noqa: E402
 from verifier_service.service import VerifierService  # noqa: E402
+from verifier_service.servicer import VerifierServicer  # noqa: E402
 from verifier_service.tree_budget import BudgetPolicyName  # noqa: E402
 
 PROMPT = list(b"the verifier keeps the prefix in pages and the drafter proposes a tree. " * 2)
 
 
+def read_over_stream(port: int, ids: list[str], tokens: int) -> int:
+    """Every session's generation over one GenerateStream, as a gateway reads them; returns the steps read."""
+    async def main() -> int:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stream = GenerationStream(verifier_pb2_grpc.VerifierStub(channel))
+            params = common_pb2.SamplingParams(max_new_tokens=tokens, ignore_eos=True)
+
+            async def one(session_id: str) -> int:
+                request = verifier_pb2.VerifierGenerateRequest(session_id=session_id, params=params)
+                return sum([1 async for step in stream.generate(request, None) if not step.HasField("prefill")])
+
+            steps = await asyncio.gather(*(one(session_id) for session_id in ids))
+            await stream.close()
+            return sum(steps)
+    return asyncio.run(main())
+
+
 async def generate_all(engine: Engine, drafter: str | None, sessions: int, tokens: int,
-                       profile: cProfile.Profile | None, policy: BudgetPolicyName = "fixed") -> dict:
+                       profile: cProfile.Profile | None, policy: BudgetPolicyName = "fixed",
+                       over_stream: bool = False) -> dict:
     metrics = VerifierMetrics()
     pool = DrafterPool(drafter, metrics, timeout_s=10) if drafter else None
     service = VerifierService(engine, pool, metrics, tree_budget=15, inline_steps=False, budget_policy=policy)
     await service.start()
     if pool is not None:
         await pool.refresh()
+    server = grpc.aio.server()
+    verifier_pb2_grpc.add_VerifierServicer_to_server(VerifierServicer(service, "tiny"), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
     ids = [(await service.create_session(PROMPT)).session_id for _ in range(sessions)]
     params = SamplingParams(max_new_tokens=tokens, ignore_eos=True)
-    steps = 0
 
-    async def one(session_id: str) -> None:
-        nonlocal steps
-        async for event in service.generate(session_id, [], params, False):
-            steps += hasattr(event, "result")
+    async def one(session_id: str) -> int:
+        return sum([hasattr(event, "result") async for event in service.generate(session_id, [], params, False)])
+
+    async def read_all() -> int:
+        if over_stream:  # NOTE: the reader on a thread of its own: only the verifier's side is on this one
+            return await asyncio.to_thread(read_over_stream, port, ids, tokens)
+        return sum(await asyncio.gather(*(one(session_id) for session_id in ids)))
 
     started, cpu = time.perf_counter(), time.thread_time()
     if profile:
         profile.enable()
-    await asyncio.gather(*(one(session_id) for session_id in ids))
+    steps = await read_all()
     if profile:
         profile.disable()
     wall, cpu = time.perf_counter() - started, time.thread_time() - cpu
+    await server.stop(None)
     await service.stop()
     return {"drafter": "ngram" if drafter else "none", "budget_policy": policy if drafter else "-",
-            "sessions": sessions, "session_steps": steps,
+            "read": "GenerateStream" if over_stream else "service", "sessions": sessions, "session_steps": steps,
             "tokens": sessions * tokens, "wall_s": wall,
             "loop_cpu_us_per_session_step": 1e6 * cpu / steps, "loop_cpu_share": cpu / wall}
 
@@ -85,7 +115,10 @@ def main() -> None:
         wait_healthy(f"127.0.0.1:{port}", 60, drafter)
         rows = [asyncio.run(generate_all(engine, None, args.sessions, args.tokens, None)),
                 asyncio.run(generate_all(engine, f"127.0.0.1:{port}", args.sessions, args.tokens, profile)),
-                asyncio.run(generate_all(engine, f"127.0.0.1:{port}", args.sessions, args.tokens, None, "adaptive"))]
+                asyncio.run(generate_all(engine, f"127.0.0.1:{port}", args.sessions, args.tokens, None, "adaptive")),
+                asyncio.run(generate_all(engine, None, args.sessions, args.tokens, None, over_stream=True)),
+                asyncio.run(generate_all(engine, f"127.0.0.1:{port}", args.sessions, args.tokens, None,
+                                         over_stream=True))]
     finally:
         drafter.terminate()
         drafter.wait()
@@ -98,8 +131,9 @@ def main() -> None:
     command = " ".join(["python benchmarks/verifier_loop.py", *sys.argv[1:]])
     table = titled_table(
         f"The verifier's event loop per session-step ({platform.machine()}, tiny model, engine excluded)", command,
-        ["drafter", "budget policy", "sessions", "session-steps", "loop CPU us per session-step", "loop CPU / wall"],
-        [[r["drafter"], r["budget_policy"], str(r["sessions"]), str(r["session_steps"]),
+        ["drafter", "budget policy", "read from", "sessions", "session-steps", "loop CPU us per session-step",
+         "loop CPU / wall"],
+        [[r["drafter"], r["budget_policy"], r["read"], str(r["sessions"]), str(r["session_steps"]),
           f"{r['loop_cpu_us_per_session_step']:.0f}", f"{r['loop_cpu_share']:.0%}"] for r in rows])
     write_results(args.out_dir, "verifier_loop", {"command": command, "rows": rows}, table)
 

@@ -68,10 +68,14 @@ def test_drafter_hop_smoke_run_writes_its_table(tmp_path: Path) -> None:
 
 def test_verifier_loop_smoke_run_writes_its_table(tmp_path: Path) -> None:
     run_benchmark("verifier_loop.py", "--sessions", "3", "--tokens", "8", "--out-dir", str(tmp_path))
-    plain, speculative, adaptive = json.loads((tmp_path / "verifier_loop.json").read_text())["rows"]
-    assert plain["session_steps"] == 3 * 8 and 0 < speculative["session_steps"] <= 3 * 8
-    assert [r["budget_policy"] for r in (plain, speculative, adaptive)] == ["-", "fixed", "adaptive"]
-    assert all(r["loop_cpu_us_per_session_step"] > 0 for r in (plain, speculative, adaptive))
+    rows = json.loads((tmp_path / "verifier_loop.json").read_text())["rows"]
+    plain, speculative, adaptive, plain_stream, speculative_stream = rows
+    assert plain["session_steps"] == plain_stream["session_steps"] == 3 * 8
+    assert 0 < speculative["session_steps"] <= 3 * 8 and 0 < speculative_stream["session_steps"] <= 3 * 8
+    assert [(r["budget_policy"], r["read"]) for r in rows] == [
+        ("-", "service"), ("fixed", "service"), ("adaptive", "service"), ("-", "GenerateStream"),
+        ("fixed", "GenerateStream")]
+    assert all(r["loop_cpu_us_per_session_step"] > 0 for r in rows)
 
 
 def test_ngram_drafter_smoke_run_writes_its_table(tmp_path: Path) -> None:

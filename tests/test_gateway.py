@@ -111,7 +111,7 @@ class FakeVerifier(verifier_pb2_grpc.VerifierServicer):
                                               eos_token_ids=[256], active_sessions=len(self.sessions))
 
     async def GenerateStream(self, request_iterator, context):
-        def generation(message: verifier_pb2.VerifierStreamRequest):
+        def generation(message: verifier_pb2.VerifierStreamRequest, slot):
             return self.Generate(message.generate, StreamedContext(message.timeout_s))
         async for reply in serve_generations(request_iterator, generation, ()):
             yield reply

@@ -14,7 +14,7 @@ import grpc
 from gateway.generation_streams import WINDOW, GenerationStream
 from proto import verifier_pb2, verifier_pb2_grpc
 from proto.status import InvalidArgument
-from verifier_service.generation_stream import RUN_AHEAD_EVENTS, Outbox, serve_generations
+from verifier_service.generation_stream import RUN_AHEAD_EVENTS, Outbox, StreamSlot, serve_generations
 
 STEPS = 3
 
@@ -36,7 +36,7 @@ class Generations:
         self.tick = asyncio.Event()
         self.cancelled: list[str] = []
 
-    async def __call__(self, message: verifier_pb2.VerifierStreamRequest):
+    async def __call__(self, message: verifier_pb2.VerifierStreamRequest, slot: StreamSlot):
         session = message.generate.session_id
         try:
             for step in range(STEPS):
@@ -183,7 +183,7 @@ class Counting(verifier_pb2_grpc.VerifierServicer):
     def __init__(self, steps: int) -> None:
         self.steps, self.made, self.ended = steps, collections.Counter(), set()
 
-    async def generation(self, message: verifier_pb2.VerifierStreamRequest):
+    async def generation(self, message: verifier_pb2.VerifierStreamRequest, slot: StreamSlot):
         session = message.generate.session_id
         try:
             for step in range(self.steps):

@@ -222,3 +222,35 @@ def test_generations_through_the_loop_stay_exact_and_one_that_leaves_is_not_step
     assert any(len(batch) > 1 for batch in batches[last + 1:])
     assert not engine.sessions and engine.pool.num_free == engine.pool.num_pages
 
+
+
+class HeldSink:
+    """A sink with room for `room` events."""
+
+    def __init__(self, room: int = 1 << 30):
+        self.events, self.room = [], room
+
+    def put(self, event: StepEvent) -> None:
+        self.events.append(event)
+
+    def has_room(self) -> bool:
+        return len(self.events) < self.room
+
+
+def test_a_sink_gets_its_steps_from_the_loop_and_holds_its_generation_out_while_full() -> None:
+    engine = FakeEngine({"held": 6, "free": 6, "bad": 6}, failing="bad")
+
+    async def consume(loop: StepLoop) -> None:
+        held, free = HeldSink(room=2), HeldSink()
+        holding = asyncio.ensure_future(loop.run(engine.sessions["held"], FixedBudget(0), held))
+        failing = asyncio.ensure_future(loop.run(engine.sessions["bad"], FixedBudget(0), HeldSink()))
+        await loop.run(engine.sessions["free"], FixedBudget(0), free)  # NOTE: returns after its last step
+        assert [event.step for event in free.events] == list(range(6)) and free.events[-1].result.finished
+        assert len(held.events) == 2 and not holding.done()  # sits the passes out, holding no one up
+        held.room = 6
+        loop.wake()
+        await holding
+        assert [event.step for event in held.events] == list(range(6))
+        assert isinstance(failing.exception(), InvalidArgument)
+
+    run_loop(engine, None, consume)

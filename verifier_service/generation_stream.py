@@ -1,14 +1,15 @@
-"""Many generations over one gRPC stream (Verifier.GenerateStream): a gateway keeps one such stream per verifier,
-and each reply carries the events of every generation that has one ready. A verify step of 64 sessions then costs
-one stream message, where 64 Generate calls cost 64 (each some tens of microseconds of the event loop, which the
+"""Many generations over one gRPC stream (Verifier.GenerateStream): a gateway keeps one such stream per verifier, and
+each reply carries the events of every generation that has one ready. A verify step of 64 sessions then costs one
+stream message, where 64 Generate calls cost 64 (each some tens of microseconds of the event loop, which the
 engine's step waits on).
 
-Each generation runs as a task of its own and puts its events into the stream's Outbox; the writer sends whatever
-the outbox holds each time it comes round. A generation that fails ends with an error event carrying its status,
-the other generations carry on. A cancel request, or the end of the stream, cancels generations as cancelling
-their Generate calls would. A generation started with a window waits while that many of its events are
-unconsumed: the caller reports what it handed on (`consumed`), so one stalled reader holds back its own
-generation and no other.
+Each generation runs as a task of its own and puts its prefill progress into the stream's Outbox; its steps go in
+from the verifier's step loop itself, through the generation's `StreamSlot` (no task wakes per step). The writer
+sends whatever the outbox holds each time it comes round. A generation that fails ends with an error event carrying
+its status, the other generations carry on. A cancel request, or the end of the stream, cancels generations as
+cancelling their Generate calls would. A generation started with a window waits while that many of its events are
+unconsumed: the caller reports what it handed on (`consumed`), so one stalled reader holds back its own generation
+and no other.
 """
 
 from __future__ import annotations
@@ -23,8 +24,10 @@ import grpc
 from proto import verifier_pb2
 from proto.status import Fallbacks, reported_status
 
-# one generation's messages, as a Generate call of the stream request's `generate` would send them
-Generation = Callable[[verifier_pb2.VerifierStreamRequest], AsyncGenerator[verifier_pb2.VerifierGenerateStep, None]]
+# one generation's messages as a Generate call of the stream request's `generate` would send them: those it yields,
+# then (or instead) those it puts into its slot
+Generation = Callable[[verifier_pb2.VerifierStreamRequest, "StreamSlot"],
+                      AsyncGenerator[verifier_pb2.VerifierGenerateStep, None]]
 
 # NOTE: events a generation may run ahead of its stream's writes (a Generate call's too): a reader that stalls holds
 # the producer here instead of letting finished steps (and their features) pile up. Roomy: a write that lags a step
@@ -37,8 +40,10 @@ class Outbox:
     its caller gave it a window, that many unconsumed (queued or sent, and not yet reported handed on): a stalled
     reader holds its producer instead of letting events pile up, here or in the caller."""
 
-    def __init__(self, limit: int = RUN_AHEAD_EVENTS):
-        self.limit = limit
+    def __init__(self, limit: int = RUN_AHEAD_EVENTS, on_room: Callable[[], None] = lambda: None):
+        """on_room: called whenever generations may have room again (events taken, credit given back), for those
+        that put without waiting (StreamSlot)."""
+        self.limit, self.on_room = limit, on_room
         self.events: list[verifier_pb2.VerifierStreamEvent] = []
         self.ready = asyncio.Event()
         self.unsent: collections.Counter[int] = collections.Counter()
@@ -57,13 +62,13 @@ class Outbox:
         self.unconsumed.pop(request_id, None)
         self.room.pop(request_id, None)
 
-    def _full(self, request_id: int) -> bool:
+    def full(self, request_id: int) -> bool:
         window = self.windows.get(request_id, 0)
         return self.unsent[request_id] >= self.limit or (window > 0 and self.unconsumed[request_id] >= window)
 
     async def put(self, event: verifier_pb2.VerifierStreamEvent) -> None:
         request_id = event.request_id
-        while self._full(request_id):
+        while self.full(request_id):
             room = self.room.setdefault(request_id, asyncio.Event())
             room.clear()
             await room.wait()
@@ -81,12 +86,13 @@ class Outbox:
         if request_id in self.windows:
             self.unconsumed[request_id] = max(0, self.unconsumed[request_id] - count)
             self._wake(request_id)
+            self.on_room()
 
     def wake(self) -> None:
         self.ready.set()
 
     def _wake(self, request_id: int) -> None:
-        if request_id in self.room and not self._full(request_id):
+        if request_id in self.room and not self.full(request_id):
             self.room.pop(request_id).set()
 
     async def take(self) -> list[verifier_pb2.VerifierStreamEvent]:
@@ -100,7 +106,22 @@ class Outbox:
             del self.unsent[request_id]
         for request_id in list(self.room):
             self._wake(request_id)
+        self.on_room()
         return events
+
+
+class StreamSlot:
+    """One generation's place on the stream, for events put without waiting: its owner checks `has_room` first
+    and is told through the outbox's `on_room` when there is room again."""
+
+    def __init__(self, outbox: Outbox, request_id: int):
+        self.outbox, self.request_id = outbox, request_id
+
+    def put(self, step: verifier_pb2.VerifierGenerateStep) -> None:
+        self.outbox.put_nowait(verifier_pb2.VerifierStreamEvent(request_id=self.request_id, step=step))
+
+    def has_room(self) -> bool:
+        return not self.outbox.full(self.request_id)
 
 
 def error_event(request_id: int, code: grpc.StatusCode, message: str) -> verifier_pb2.VerifierStreamEvent:
@@ -109,16 +130,18 @@ def error_event(request_id: int, code: grpc.StatusCode, message: str) -> verifie
 
 
 async def serve_generations(requests: AsyncIterator[verifier_pb2.VerifierStreamRequest], generate: Generation,
-                            fallbacks: Fallbacks) -> AsyncIterator[verifier_pb2.VerifierStreamReply]:
-    """The replies of one GenerateStream call; `generate` runs one generation (a Generate call's messages)."""
+                            fallbacks: Fallbacks, on_room: Callable[[], None] = lambda: None
+                            ) -> AsyncIterator[verifier_pb2.VerifierStreamReply]:
+    """The replies of one GenerateStream call; `generate` runs one generation (a Generate call's messages);
+    `on_room`: see Outbox."""
 
-    outbox, running, expired = Outbox(), {}, set()
+    outbox, running, expired = Outbox(on_room=on_room), {}, set()
 
     async def run(request_id: int, request: verifier_pb2.VerifierStreamRequest) -> None:
         try:
             # NOTE: closed here, not when collected: a generation cancelled while it waits in `put` (for credit, most
             # often) sits at a yield, and its cleanup (the session's release) must run before the stream moves on
-            async with contextlib.aclosing(generate(request)) as steps:
+            async with contextlib.aclosing(generate(request, StreamSlot(outbox, request_id))) as steps:
                 async for step in steps:
                     await outbox.put(verifier_pb2.VerifierStreamEvent(request_id=request_id, step=step))
         except asyncio.CancelledError:

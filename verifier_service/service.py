@@ -22,7 +22,7 @@ from verifier_service.engine.session import Session
 from verifier_service.errors import EngineDown, SessionBusy
 from verifier_service.leases import SessionLeases
 from verifier_service.metrics import VerifierMetrics
-from verifier_service.step_loop import StepEvent, StepLoop
+from verifier_service.step_loop import StepEvent, StepLoop, StepSink
 from verifier_service.tree_budget import (
     SHARED_DECAY,
     AdaptiveBudget,
@@ -243,11 +243,11 @@ class VerifierService:
 
     # ---- generation ------------------------------------------------------------------------------------
 
-    async def generate(self, session_id: str, append: list[int], params: SamplingParams,
-                       keep_session: bool, tree_budget: int = 0) -> AsyncIterator[PrefillEvent | StepEvent]:
+    async def generate(self, session_id: str, append: list[int], params: SamplingParams, keep_session: bool,
+                       tree_budget: int = 0, sink: StepSink | None = None) -> AsyncIterator[PrefillEvent | StepEvent]:
         """The appended tokens' prefill progress (between its chunks, when it takes more than one), then steps
-        until a stop; on cancellation or error the session is kept or released as asked. `tree_budget` pins the
-        budget of every step (0: the server's policy).
+        until a stop (into `sink` when given, else yielded); on cancellation or error the session is kept or released
+        as asked. `tree_budget` pins the budget of every step (0: the server's policy).
         NOTE: appended tokens stay in the session even if generation fails afterwards."""
         self._check_idle(session_id)
         session = self.engine.session(session_id)
@@ -264,6 +264,9 @@ class VerifierService:
                 if self.drafters is not None:
                     self.drafters.add_features(session_id, features)
             await self._call(self.engine.start_generation, session_id, params)
+            if sink is not None:
+                await self.loop.run(session, budgets, sink)
+                return
             async with contextlib.aclosing(self.loop.steps(session, budgets)) as steps:
                 async for event in steps:  # NOTE: closed before the release below, out of the loop by then
                     yield event

@@ -15,7 +15,7 @@ from proto.status import maps_status
 from verifier_service.engine.sampling import SamplingParams
 from verifier_service.engine.session import Session
 from verifier_service.engine.stopping import StopReason
-from verifier_service.generation_stream import RUN_AHEAD_EVENTS, serve_generations
+from verifier_service.generation_stream import RUN_AHEAD_EVENTS, StreamSlot, serve_generations
 from verifier_service.service import PrefillEvent, VerifierService
 from verifier_service.step_loop import StepEvent
 
@@ -89,6 +89,19 @@ def _prefill_pb(event: PrefillEvent) -> verifier_pb2.VerifierGenerateStep:
         prefill=common_pb2.PrefillProgress(prefilled_tokens=event.done, total_tokens=event.total))
 
 
+class _SlotSink:
+    """A generation's steps, converted by the step loop itself, straight into its GenerateStream slot."""
+
+    def __init__(self, servicer: VerifierServicer, slot: StreamSlot):
+        self.to_pb, self.slot = servicer._step_pb, slot
+
+    def put(self, event: StepEvent) -> None:
+        self.slot.put(self.to_pb(event))
+
+    def has_room(self) -> bool:
+        return self.slot.has_room()
+
+
 class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
     def __init__(self, service: VerifierService, model_name: str):
         self.service, self.model_name = service, model_name
@@ -114,15 +127,17 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             yield step
 
     async def GenerateStream(self, request_iterator, context):
-        async for reply in serve_generations(request_iterator, lambda message: self._generation(message.generate),
-                                             FALLBACKS):
+        async for reply in serve_generations(
+                request_iterator, lambda message, slot: self._generation(message.generate, _SlotSink(self, slot)),
+                FALLBACKS, self.service.loop.wake):
             yield reply
 
-    async def _generation(self, request: verifier_pb2.VerifierGenerateRequest
+    async def _generation(self, request: verifier_pb2.VerifierGenerateRequest, sink: _SlotSink | None = None
                           ) -> AsyncIterator[verifier_pb2.VerifierGenerateStep]:
+        """The generation's messages: all of them, or, given a sink, the prefill's (the steps go into the sink)."""
         params = params_from_pb(request.params)
         events = self.service.generate(request.session_id, list(request.append_token_ids), params,
-                                       request.keep_session, request.tree_budget)
+                                       request.keep_session, request.tree_budget, sink)
         async with contextlib.aclosing(events):
             async for event in events:
                 yield _prefill_pb(event) if isinstance(event, PrefillEvent) else self._step_pb(event)

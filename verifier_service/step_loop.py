@@ -1,12 +1,13 @@
 """The one loop that steps every generation past its prefill (the scheduling loop of nano-vllm's and vLLM's
 engines). Each pass chooses every session's budget, asks the drafters for all the trees at once (one batch message
 per replica, one deadline), verifies them together in one engine step (more when the batch limits split them,
-the longest-stepping sessions first), and hands each session its step's event. Sessions join between passes (one
-that joins while the drafts are out steps in the same pass: its first step needs no draft) and leave at any time.
+the longest-stepping sessions first), and puts each step's event into its generation's sink: a GenerateStream's
+outbox (no task wakes per step), or a queue read as an iterator. Sessions join between passes (one that joins while
+the drafts are out steps in the same pass: its first step needs no draft) and leave at any time.
 
-A pass's host work runs beside the GPU: the step runs on the engine thread while this loop hands out and streams
-the last step's events, and the drafters' round trip leaves the loop to the consumers too. A consumer that falls
-`RUN_AHEAD` events behind sits passes out until it catches up, rather than letting steps pile up for it."""
+A pass's host work runs beside the GPU: a step whose events have not been streamed yet runs on the engine thread
+while the loop streams them, and the drafters' round trip leaves the loop to the streams too. A generation whose
+sink is full (its reader is behind) sits passes out until the sink has room, rather than letting steps pile up."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from modeling.speculation import StepCursor
 from modeling.tree import DraftTree, TreeError
@@ -43,29 +45,57 @@ class StepEvent:
     verify_s: float  # from then until the session's engine step ended
 
 
-class Stepper:
-    """One generation in the loop: its session, where its drafting stands, its budget policy, and the events
-    (or the error) its consumer has not taken yet."""
+class StepSink(Protocol):
+    """Where a generation's step events go, from the loop itself: `put` must not wait."""
 
-    def __init__(self, session: Session, budgets: BudgetPolicy):
-        self.session, self.budgets = session, budgets
-        self.session_id = session.session_id
-        self.cursor = StepCursor(session.session_id, session.kv_len)
-        self.events: collections.deque[StepEvent | BaseException] = collections.deque()
+    def put(self, event: StepEvent) -> None: ...
+
+    def has_room(self) -> bool:
+        """False holds the generation out of the passes (its reader is behind) until the loop's `wake`."""
+
+
+class EventQueue:
+    """The sink of a generation read as an iterator (`StepLoop.steps`)."""
+
+    def __init__(self) -> None:
+        self.events: collections.deque[StepEvent] = collections.deque()
         self.arrived = asyncio.Event()
 
-    def put(self, item: StepEvent | BaseException) -> None:
-        self.events.append(item)
+    def put(self, event: StepEvent) -> None:
+        self.events.append(event)
         self.arrived.set()
 
-    async def next(self) -> StepEvent:
+    def has_room(self) -> bool:
+        return len(self.events) < RUN_AHEAD
+
+    async def next(self, done: asyncio.Future) -> StepEvent:
+        """The next event; the generation's error once it has failed and its events are taken."""
         while not self.events:
+            if done.done():
+                done.result()
             self.arrived.clear()
             await self.arrived.wait()
-        item = self.events.popleft()
-        if isinstance(item, BaseException):
-            raise item
-        return item
+        return self.events.popleft()
+
+
+class Stepper:
+    """One generation in the loop: its session, where its drafting stands, its budget policy, its sink, and `done`
+    (set once its last step is delivered, or to its error)."""
+
+    def __init__(self, session: Session, budgets: BudgetPolicy, sink: StepSink):
+        self.session, self.budgets, self.sink = session, budgets, sink
+        self.session_id = session.session_id
+        self.cursor = StepCursor(session.session_id, session.kv_len)
+        self.done = asyncio.get_running_loop().create_future()
+
+    def deliver(self, event: StepEvent) -> None:
+        self.sink.put(event)
+        if event.result.finished and not self.done.done():
+            self.done.set_result(None)
+
+    def fail(self, error: BaseException) -> None:
+        if not self.done.done():
+            self.done.set_exception(error)
 
 
 @dataclass
@@ -85,6 +115,8 @@ class StepLoop:
         self.steppers: dict[str, Stepper] = {}  # in joining order: the longest-stepping first in a split pass
         self.wakeup = asyncio.Event()
         self.busy_since: float | None = None  # when the latest engine step ended, while sessions were stepping
+        self.streaming = False  # events went out and the loop has not had a turn since (their readers have work)
+        self.deliveries = 0  # batches whose events went out
         self.down_reason: str | None = None
         self.task: asyncio.Task | None = None
 
@@ -101,37 +133,61 @@ class StepLoop:
         in a collective with a dead rank), and so does every later one."""
         self.down_reason = reason
         for stepper in self.steppers.values():
-            stepper.put(EngineDown(reason))
+            stepper.fail(EngineDown(reason))
         self.steppers.clear()
 
-    async def steps(self, session: Session, budgets: BudgetPolicy) -> AsyncIterator[StepEvent]:
-        """The session's steps until a stop. The first verifies the pending prompt token alone, so the first token
-        goes out as soon as the prefill is done (as the DDTree reference's prefill emits it) and the first draft
-        starts from it."""
-        if self.down_reason is not None:
-            raise EngineDown(self.down_reason)
-        stepper = Stepper(session, budgets)
-        self.steppers[stepper.session_id] = stepper
+    def wake(self) -> None:
+        """A sink has room again: a loop that idles for want of ready generations looks again."""
         self.wakeup.set()
+
+    async def run(self, session: Session, budgets: BudgetPolicy, sink: StepSink) -> None:
+        """Step the session until a stop, each step's event put into `sink` by the loop itself (no task of the
+        caller's wakes per step). The first step verifies the pending prompt token alone, so the first token goes out
+        as soon as the prefill is done (as the DDTree reference's prefill emits it) and the first draft starts from
+        it. Returns once the last step is delivered; raises the generation's error."""
+        stepper = self._join(session, budgets, sink)
+        try:
+            await stepper.done
+        finally:
+            self._leave(stepper)
+
+    async def steps(self, session: Session, budgets: BudgetPolicy) -> AsyncIterator[StepEvent]:
+        """`run` read as an iterator of the step events."""
+        queue = EventQueue()
+        stepper = self._join(session, budgets, queue)
+        stepper.done.add_done_callback(lambda _: queue.arrived.set())
         try:
             while True:
-                event = await stepper.next()
-                if len(stepper.events) == RUN_AHEAD - 1:
-                    self.wakeup.set()  # NOTE: it had sat passes out: room again
+                event = await queue.next(stepper.done)
+                if len(queue.events) == RUN_AHEAD - 1:
+                    self.wake()  # NOTE: it had sat passes out: room again
                 yield event
                 if event.result.finished:
                     return
         finally:
-            self._drop(stepper)
-            if self.drafters is not None:  # NOTE: features no draft carried, for the next turn's seed
-                self.drafters.add_features(stepper.session_id, stepper.cursor.features)
+            self._leave(stepper)
+
+    def _join(self, session: Session, budgets: BudgetPolicy, sink: StepSink) -> Stepper:
+        if self.down_reason is not None:
+            raise EngineDown(self.down_reason)
+        stepper = Stepper(session, budgets, sink)
+        self.steppers[stepper.session_id] = stepper
+        self.wake()
+        return stepper
+
+    def _leave(self, stepper: Stepper) -> None:
+        self._drop(stepper)
+        if not stepper.done.done():
+            stepper.done.cancel()
+        if self.drafters is not None:  # NOTE: features no draft carried, for the next turn's seed
+            self.drafters.add_features(stepper.session_id, stepper.cursor.features)
 
     def _drop(self, stepper: Stepper) -> None:
         if self.steppers.get(stepper.session_id) is stepper:
             del self.steppers[stepper.session_id]
 
     def _ready(self) -> list[Stepper]:
-        return [stepper for stepper in self.steppers.values() if len(stepper.events) < RUN_AHEAD]
+        return [stepper for stepper in self.steppers.values() if stepper.sink.has_room()]
 
     async def _run(self) -> None:
         while True:
@@ -147,7 +203,7 @@ class StepLoop:
                 log.exception("a step pass failed")
                 for stepper in steppers:
                     self._drop(stepper)
-                    stepper.put(error)
+                    stepper.fail(error)
 
     async def _pass(self, steppers: list[Stepper]) -> None:
         started = time.perf_counter()
@@ -208,9 +264,9 @@ class StepLoop:
 
     async def _verify(self, batch: list[_Planned], started: float, drafted: float) -> None:
         steps = [(plan.stepper.session_id, plan.tree or DraftTree.empty()) for plan in batch]
-        # NOTE: inline only when no consumer waits for the loop: otherwise they stream while the GPU works
-        idle = not any(stepper.events for stepper in self.steppers.values())
-        call: Callable = self.worker.step_call if idle else self.worker.call
+        # NOTE: inline only when the loop has had a turn since the last events went out (a draft round, or idling):
+        # otherwise their readers and the stream writers run beside the GPU, the step on the engine thread
+        call: Callable = self.worker.call if self.streaming else self.worker.step_call
         step_started = time.perf_counter()
         try:
             results = await call(self.engine.step, steps)
@@ -219,7 +275,7 @@ class StepLoop:
                 return
             if len(batch) == 1:
                 self._drop(batch[0].stepper)
-                batch[0].stepper.put(error)
+                batch[0].stepper.fail(error)
                 return
             # NOTE: the engine validates and reserves pages before it runs anything, so a failed batch changed
             # nothing; stepping the sessions one by one isolates the one at fault.
@@ -232,6 +288,14 @@ class StepLoop:
         self._observe_batch(steps, results, ended - step_started, gap)
         for plan, result in zip(batch, results):
             self._deliver(plan, result, started, drafted, ended)
+        self.deliveries += 1
+        self.streaming = True
+        asyncio.get_running_loop().call_soon(self._streamed, self.deliveries)
+
+    def _streamed(self, delivery: int) -> None:
+        """The loop had a turn after the events of delivery number `delivery` went out."""
+        if delivery == self.deliveries:
+            self.streaming = False
 
     def _deliver(self, plan: _Planned, result: StepResult, started: float, drafted: float, ended: float) -> None:
         stepper, budget, tree = plan.stepper, plan.budget, plan.tree
@@ -247,7 +311,7 @@ class StepLoop:
         stepper.cursor.advance(result.committed, result.features, result.commit_start, drafted=budget > 0)
         if result.finished:
             self._drop(stepper)  # NOTE: before the next pass, which must not step a finished generation
-        stepper.put(event)
+        stepper.deliver(event)
 
     def _observe_batch(self, steps: list[tuple[str, DraftTree]], results: list[StepResult], seconds: float,
                        gap: float | None) -> None:
