@@ -15,7 +15,7 @@ from verifier_service.engine.config import EngineConfig
 from verifier_service.engine.engine import StepResult
 from verifier_service.engine.sampling import SamplingParams
 from verifier_service.engine.stopping import StopReason
-from verifier_service.errors import InvalidArgument
+from verifier_service.errors import EngineDown, InvalidArgument
 from verifier_service.metrics import VerifierMetrics
 from verifier_service.service import VerifierService
 from verifier_service.step_loop import RUN_AHEAD, StepEvent, StepLoop
@@ -254,3 +254,58 @@ def test_a_sink_gets_its_steps_from_the_loop_and_holds_its_generation_out_while_
         assert isinstance(failing.exception(), InvalidArgument)
 
     run_loop(engine, None, consume)
+
+
+def test_a_sink_that_fails_ends_its_own_generation_and_no_other() -> None:
+    engine = FakeEngine({"broken": 4, "fine": 4})
+
+    class BrokenSink(HeldSink):
+        def put(self, event: StepEvent) -> None:
+            raise RuntimeError("the stream is gone")
+
+    async def consume(loop: StepLoop) -> None:
+        fine = HeldSink()
+        broken, _ = await asyncio.gather(loop.run(engine.sessions["broken"], FixedBudget(0), BrokenSink()),
+                                         loop.run(engine.sessions["fine"], FixedBudget(0), fine),
+                                         return_exceptions=True)
+        assert isinstance(broken, RuntimeError) and len(fine.events) == 4
+
+    run_loop(engine, None, consume)
+    assert engine.batches == [["broken", "fine"]] + [["fine"]] * 3
+
+
+def test_a_budget_policy_that_fails_ends_its_own_generation_and_no_other() -> None:
+    engine = FakeEngine({"odd": 4, "fine": 4})
+
+    class Failing(FixedBudget):
+        def choose(self, context: int) -> int:
+            raise ZeroDivisionError("a policy bug")
+
+    async def consume(loop: StepLoop) -> None:
+        odd, fine = await asyncio.gather(read_failing(loop, engine.sessions["odd"]),
+                                         loop.run(engine.sessions["fine"], FixedBudget(3), HeldSink()),
+                                         return_exceptions=True)
+        assert isinstance(odd, ZeroDivisionError) and fine is None
+
+    async def read_failing(loop: StepLoop, session: FakeSession) -> list:
+        return [event async for event in loop.steps(session, Failing(3))]
+
+    run_loop(engine, ChainDrafters({"odd": 2, "fine": 2}), consume)
+    assert engine.batches == [["odd", "fine"]] + [["fine"]] * 3  # the first step chooses nothing
+
+
+def test_generations_still_stepping_when_the_loop_stops_fail_rather_than_hang() -> None:
+    engine = FakeEngine({"long": 10**6})
+
+    async def main() -> None:
+        worker = EngineWorker()
+        loop = StepLoop(engine, worker, None, VerifierMetrics(), StepCosts())
+        loop.start()
+        running = asyncio.ensure_future(loop.run(engine.sessions["long"], FixedBudget(0), HeldSink()))
+        await asyncio.sleep(0.05)
+        await loop.stop()
+        worker.shutdown()
+        assert isinstance(await asyncio.wait_for(asyncio.gather(running, return_exceptions=True), 1), list)
+        assert isinstance(running.exception(), EngineDown)
+
+    asyncio.run(main())

@@ -124,9 +124,11 @@ class StepLoop:
         self.task = asyncio.create_task(self._run(), name="step-loop")
 
     async def stop(self) -> None:
+        """No generation waits on a loop that is gone: those still stepping fail with EngineDown (UNAVAILABLE)."""
         if self.task:
             self.task.cancel()
             await asyncio.gather(self.task, return_exceptions=True)
+        self.fail("the verifier is stopping")
 
     def fail(self, reason: str) -> None:
         """The engine is down: every stepping generation fails with EngineDown now (the engine thread may be stuck
@@ -207,7 +209,7 @@ class StepLoop:
 
     async def _pass(self, steppers: list[Stepper]) -> None:
         started = time.perf_counter()
-        plans = [_Planned(stepper, self._budget(stepper)) for stepper in steppers]
+        plans = [plan for plan in map(self._plan, steppers) if plan is not None]
         drafting = [plan for plan in plans if plan.budget]
         await self._draft(drafting)
         drafted = time.perf_counter()
@@ -222,10 +224,18 @@ class StepLoop:
         for batch in self._batches(plans):
             await self._verify(batch, started, drafted)
 
-    def _budget(self, stepper: Stepper) -> int:
+    def _plan(self, stepper: Stepper) -> _Planned | None:
+        """The stepper's part of this pass: its budget (0 for its first step, or with no drafter); None when its
+        policy fails, which ends its generation alone."""
         if stepper.cursor.step == 0 or self.drafters is None:
-            return 0
-        return stepper.budgets.choose(stepper.session.kv_len)
+            return _Planned(stepper, 0)
+        try:
+            return _Planned(stepper, stepper.budgets.choose(stepper.session.kv_len))
+        except Exception as error:  # noqa: BLE001 - handed to its generation
+            log.exception("session %s: choosing its tree budget failed", stepper.session_id)
+            self._drop(stepper)
+            stepper.fail(error)
+            return None
 
     async def _draft(self, plans: list[_Planned]) -> None:
         """Every plan's tree, asked together; a miss or a bad tree costs its session one step of speculation."""
@@ -298,9 +308,23 @@ class StepLoop:
             self.streaming = False
 
     def _deliver(self, plan: _Planned, result: StepResult, started: float, drafted: float, ended: float) -> None:
-        stepper, budget, tree = plan.stepper, plan.budget, plan.tree
+        stepper = plan.stepper
         if self.steppers.get(stepper.session_id) is not stepper:
             return  # NOTE: its generation left during the step
+        try:
+            event = self._step_event(plan, result, started, drafted, ended)
+            if result.finished:
+                self._drop(stepper)  # NOTE: before the next pass, which must not step a finished generation
+            stepper.deliver(event)
+        except Exception as error:  # noqa: BLE001 - what fails in one generation's hand-over ends it alone
+            log.exception("session %s: its step could not be handed on", stepper.session_id)
+            self._drop(stepper)
+            stepper.fail(error)
+
+    def _step_event(self, plan: _Planned, result: StepResult, started: float, drafted: float,
+                    ended: float) -> StepEvent:
+        """The step's event, with what it teaches the metrics, the costs and the generation's budget policy."""
+        stepper, budget, tree = plan.stepper, plan.budget, plan.tree
         self.metrics.step_seconds.observe(ended - drafted)
         if stepper.cursor.step and self.drafters is not None:
             self.metrics.tree_budget.observe(budget)
@@ -309,9 +333,7 @@ class StepLoop:
         stepper.budgets.observe(budget, tree, result.path)
         event = StepEvent(stepper.cursor.step, result, len(tree) if tree else 0, drafted - started, ended - drafted)
         stepper.cursor.advance(result.committed, result.features, result.commit_start, drafted=budget > 0)
-        if result.finished:
-            self._drop(stepper)  # NOTE: before the next pass, which must not step a finished generation
-        stepper.deliver(event)
+        return event
 
     def _observe_batch(self, steps: list[tuple[str, DraftTree]], results: list[StepResult], seconds: float,
                        gap: float | None) -> None:
