@@ -181,6 +181,8 @@ class StepLoop:
         self._drop(stepper)
         if not stepper.done.done():
             stepper.done.cancel()
+        elif not stepper.done.cancelled():
+            stepper.done.exception()  # NOTE: an error its reader left before taking is not "never retrieved"
         if self.drafters is not None:  # NOTE: features no draft carried, for the next turn's seed
             self.drafters.add_features(stepper.session_id, stepper.cursor.features)
 
