@@ -297,6 +297,99 @@ def test_step_returns_features_of_committed_tokens(new_engine) -> None:
     torch.testing.assert_close(result.features, whole, atol=new_engine.kv_atol, rtol=1e-3)
 
 
+def burst_to_end(engine, session_ids: list[str], steps: int) -> dict[str, list]:
+    """Decode the sessions in bursts of up to `steps` plain steps, dropping each as it finishes, as the step loop
+    does; each session's results."""
+    results: dict[str, list] = {sid: [] for sid in session_ids}
+    live = list(session_ids)
+    while live:
+        for result in engine.decode(live, engine.burst_length(live, steps)):
+            results[result.session_id].append(result)
+            if result.finished:
+                live.remove(result.session_id)
+    return results
+
+
+def emitted_of(results: list) -> list[int]:
+    return [token for result in results for token in result.emitted]
+
+
+def test_decode_bursts_equal_single_steps_and_stop_where_they_do(new_engine) -> None:
+    """Sessions of different lengths and stops decoded several steps per call: every session's tokens are those
+    of single plain steps, each stops where it would (a stop token, max_new_tokens, the context, each mid-burst),
+    and the pages hold exactly what a fresh prefill of the tokens would."""
+    engine = new_engine(max_context=120)
+    prompts = [prompt_of(n, seed=n) for n in (3, 17, 33, 100)]
+    reference = plain_generate(engine, prompts[0], SamplingParams(max_new_tokens=40, ignore_eos=True))
+    params = [SamplingParams(max_new_tokens=40, stop_token_ids=(reference[11],)),
+              SamplingParams(max_new_tokens=23, ignore_eos=True),
+              SamplingParams(max_new_tokens=40, ignore_eos=True),
+              SamplingParams(max_new_tokens=40, ignore_eos=True)]  # the context ends it after 20 tokens
+    expected = [plain_generate(engine, p, q) for p, q in zip(prompts, params)]
+    assert len(expected[0]) == reference.index(reference[11]) + 1 and len(expected[3]) == 20
+    sessions = [engine.create_session(p)[0] for p in prompts]
+    for session, q in zip(sessions, params):
+        engine.start_generation(session.session_id, q)
+    first = engine.step([(s.session_id, DraftTree.empty()) for s in sessions])  # as the loop: the first step alone
+    results = burst_to_end(engine, [s.session_id for s in sessions], steps=6)
+    for session, result, want in zip(sessions, first, expected):
+        got = results[session.session_id]
+        assert result.emitted + emitted_of(got) == want
+        assert all(len(r.emitted) <= 6 and r.accepted == [] for r in got)
+        fresh, _ = engine.create_session(list(session.tokens))
+        for decoded, prefilled in zip(kv_of(engine, session), kv_of(engine, fresh)):
+            torch.testing.assert_close(decoded, prefilled, atol=new_engine.kv_atol, rtol=1e-3)
+        engine.release_session(fresh.session_id)
+    assert max(len(r.emitted) for r in results[sessions[2].session_id]) == 6  # bursts did run
+    assert [r[-1].finished for r in results.values()] == [StopReason.STOP_TOKEN, StopReason.LENGTH,
+                                                          StopReason.LENGTH, StopReason.CONTEXT_LIMIT]
+    for session in sessions:
+        engine.release_session(session.session_id)
+    assert engine.pool.num_free == engine.pool.num_pages
+
+
+def test_a_sampled_burst_draws_as_single_steps_do(new_engine) -> None:
+    engine = new_engine()
+    params = SamplingParams(temperature=0.9, top_k=50, seed=7, max_new_tokens=30, ignore_eos=True)
+    expected = plain_generate(engine, prompt_of(12), params)
+    session, _ = engine.create_session(prompt_of(12))
+    engine.start_generation(session.session_id, params)
+    (first,) = engine.step([(session.session_id, DraftTree.empty())])
+    got = burst_to_end(engine, [session.session_id], steps=4)[session.session_id]
+    assert first.emitted + emitted_of(got) == expected
+
+
+def test_a_burst_returns_the_features_of_its_committed_tokens(new_engine) -> None:
+    engine = new_engine(feature_layers=(1, 2))
+    prompt = prompt_of(30)
+    engine.create_session(prompt, session_id="a")
+    engine.start_generation("a", GREEDY)
+    (result,) = engine.decode(["a"], 5)
+    assert result.committed == [prompt[-1], *result.emitted[:4]] and result.commit_start == 29
+    _, whole = engine.create_session(prompt + result.emitted, feature_tail=5)  # its KV holds the committed
+    torch.testing.assert_close(result.features, whole, atol=new_engine.kv_atol, rtol=1e-3)
+
+
+def test_burst_length_and_refusals(new_engine) -> None:
+    engine = new_engine(max_context=40, kv_budget_bytes=1 << 20)
+    engine.create_session(prompt_of(30), session_id="a")
+    engine.create_session(prompt_of(10), session_id="b")
+    engine.start_generation("a", SamplingParams(max_new_tokens=3, ignore_eos=True))
+    assert engine.burst_length(["a", "b"], 8) == 1  # b has no generation
+    engine.start_generation("b", SamplingParams(max_new_tokens=50, ignore_eos=True))
+    assert engine.burst_length(["a"], 8) == 3  # a's last token
+    assert engine.burst_length(["a", "b"], 8) == 8  # b would use them
+    assert engine.burst_length(["a", "b"], 20) == 10  # a's context room
+    with pytest.raises(InvalidArgument, match="does not fit"):
+        engine.decode(["a", "b"], 11)
+    with pytest.raises(InvalidArgument, match="twice"):
+        engine.decode(["a", "a"], 2)
+    before = [list(engine.session(s).tokens) for s in ("a", "b")]
+    assert [r.emitted for r in engine.decode(["a", "b"], 10)][0] == engine.session("a").tokens[30:]
+    assert len(engine.session("a").tokens) == 33 and len(engine.session("b").tokens) == 20
+    assert before[1] == engine.session("b").tokens[:10]
+
+
 def test_bucket_sizes() -> None:
     assert buckets(1) == [1] and buckets(48) == [1, 2, 4, 8, 16, 32, 48]
     assert buckets(2048, 16) == [16, 32, 64, 128, 256, 512, 1024, 2048] and buckets(8, 16) == [8]

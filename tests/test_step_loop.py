@@ -224,6 +224,33 @@ def test_generations_through_the_loop_stay_exact_and_one_that_leaves_is_not_step
 
 
 
+def test_plain_batches_decode_in_bursts_and_stay_exact(tiny_target) -> None:
+    """With decode bursts, sessions decoding plainly together get several tokens per event after their first
+    (which stays alone: the first token must not wait), and every output equals plain decoding."""
+    engine = make_engine(tiny_target, decode_burst_steps=4)
+    prompts = [PROMPT, PROMPT[:9], list(b"another prompt")]
+    params = [GREEDY, SamplingParams(max_new_tokens=13, ignore_eos=True), GREEDY]
+
+    async def main() -> list[list[StepEvent]]:
+        service = VerifierService(engine, None, VerifierMetrics())
+        await service.start()
+
+        async def generate(prompt: list[int], params: SamplingParams) -> list[StepEvent]:
+            session = await service.create_session(prompt)
+            return [e async for e in service.generate(session.session_id, [], params, False)
+                    if isinstance(e, StepEvent)]
+
+        events = await asyncio.gather(*(generate(p, q) for p, q in zip(prompts, params)))
+        await service.stop()
+        return events
+
+    events = asyncio.run(main())
+    for prompt, q, generation in zip(prompts, params, events):
+        assert [t for e in generation for t in e.result.emitted] == plain_generate(engine, prompt, q)
+        assert len(generation[0].result.emitted) == 1 and max(len(e.result.emitted) for e in generation) == 4
+    assert len(events[1]) < 13
+
+
 class HeldSink:
     """A sink with room for `room` events."""
 

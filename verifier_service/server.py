@@ -54,6 +54,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="rows (tree nodes + roots) of one verify step; steps beyond it wait for the next")
     parser.add_argument("--max-batch-sessions", type=int, default=256,
                         help="sessions in one verify step; more wait for the next")
+    parser.add_argument("--decode-burst-steps", type=int, default=4,
+                        help="plain decoding steps per engine call when every session of a batch decodes plainly: "
+                             "the host's work per call serves this many tokens (throughput at many sessions), which "
+                             "stream in bursts of as many")
     parser.add_argument("--gil-switch-interval-ms", type=float, default=0.5,
                         help="Python's thread switch interval (sys.setswitchinterval; Python's default is 5): the "
                              "engine thread lets go of the GIL at every torch call and waits up to this long to take "
@@ -78,7 +82,7 @@ def engine_config(args: argparse.Namespace, model: ModelConfig) -> EngineConfig:
     return EngineConfig(page_size=args.page_size, kv_budget_bytes=int(args.kv_budget_mb * (1 << 20)),
                         max_tree_nodes=args.max_tree_nodes, prefill_chunk=args.prefill_chunk,
                         max_batch_tokens=args.max_batch_tokens, max_batch_sessions=args.max_batch_sessions,
-                        max_context=args.max_context,
+                        max_context=args.max_context, decode_burst_steps=args.decode_burst_steps,
                         dtype=args.dtype or model.torch_dtype, device=args.device,
                         attention=resolve_attention(args.attention, args.device),
                         cuda_graphs=not args.no_cuda_graphs)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -274,14 +275,25 @@ class StepLoop:
             rows += size
         return batches
 
+    def _burst(self, batch: list[_Planned]) -> int:
+        """The plain steps the batch runs in one engine call: several only when every session decodes plainly past
+        its first step (which stays one step: it is the request's first token)."""
+        wanted = self.engine.config.decode_burst_steps
+        if wanted == 1 or any(plan.tree is not None or plan.stepper.cursor.step == 0 for plan in batch):
+            return 1
+        return self.engine.burst_length([plan.stepper.session_id for plan in batch], wanted)
+
     async def _verify(self, batch: list[_Planned], started: float, drafted: float) -> None:
         steps = [(plan.stepper.session_id, plan.tree or DraftTree.empty()) for plan in batch]
+        burst = self._burst(batch)
+        work = (functools.partial(self.engine.decode, [session_id for session_id, _ in steps], burst) if burst > 1
+                else functools.partial(self.engine.step, steps))
         # NOTE: inline only when the loop has had a turn since the last events went out (a draft round, or idling):
         # otherwise their readers and the stream writers run beside the GPU, the step on the engine thread
         call: Callable = self.worker.call if self.streaming else self.worker.step_call
         step_started = time.perf_counter()
         try:
-            results = await call(self.engine.step, steps)
+            results = await call(work)
         except Exception as error:  # noqa: BLE001 - handed to the generation at fault
             if self.down_reason is not None:
                 return
@@ -297,7 +309,7 @@ class StepLoop:
         ended = time.perf_counter()
         gap = None if self.busy_since is None else step_started - self.busy_since
         self.busy_since = ended
-        self._observe_batch(steps, results, ended - step_started, gap)
+        self._observe_batch(steps, results, (ended - step_started) / burst, gap)
         for plan, result in zip(batch, results):
             self._deliver(plan, result, started, drafted, ended)
         self.deliveries += 1
@@ -340,7 +352,7 @@ class StepLoop:
     def _observe_batch(self, steps: list[tuple[str, DraftTree]], results: list[StepResult], seconds: float,
                        gap: float | None) -> None:
         """A verify batch's metrics and costs, once per batch: per session they cost the loop ~20% of a plain
-        session-step (benchmarks/results/verifier_loop.md)."""
+        session-step (benchmarks/results/verifier_loop.md). `seconds`: per forward (a decode burst runs several)."""
         metrics = self.metrics
         metrics.batch_sessions.observe(len(steps))
         metrics.batch_seconds.observe(seconds)

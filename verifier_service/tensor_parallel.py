@@ -152,6 +152,7 @@ class LeaderEngine(Engine):
         self.followers = followers
         self.down: str | None = None
         super().__init__(model, config, tokenizer)
+        self.decode_bursts = False  # NOTE: a burst feeds tokens on the device, which the followers' commands lack
 
     def _kv_cache(self, num_pages: int, dtype: torch.dtype, device: torch.device) -> KVCache:
         return LeaderKVCache(self._mirrored, self.model.shard_config, num_pages, self.config.page_size, dtype, device)

@@ -38,6 +38,9 @@ class EngineConfig:
     feature_layers: tuple[int, ...] = ()  # target layers whose hidden states feed the drafter
     cuda_graphs: bool = True  # replay captured forwards (CUDA with the triton backend only)
     graph_max_sessions: int = 256  # larger batches run eagerly (as many as max_batch_sessions by default)
+    # NOTE: plain decoding steps per engine call when every session of a batch decodes plainly (Engine.decode): the
+    # host's work per call then serves this many tokens, which reach the client in bursts of as many
+    decode_burst_steps: int = 1
 
     def __post_init__(self) -> None:
         if self.page_size not in PAGE_SIZES:
@@ -46,8 +49,8 @@ class EngineConfig:
             raise ValueError("prefill_chunk must be >= 1")
         if self.max_tree_nodes + 1 > self.max_batch_tokens:
             raise ValueError("max_tree_nodes + 1 must fit in max_batch_tokens")
-        if self.graph_max_sessions < 1 or self.max_batch_sessions < 1:
-            raise ValueError("graph_max_sessions and max_batch_sessions must be >= 1")
+        if self.graph_max_sessions < 1 or self.max_batch_sessions < 1 or self.decode_burst_steps < 1:
+            raise ValueError("graph_max_sessions, max_batch_sessions and decode_burst_steps must be >= 1")
         parse_dtype(self.dtype)
         if self.attention not in ("torch", "triton"):
             raise ValueError(f"attention must be 'torch' or 'triton', got {self.attention!r}")

@@ -144,15 +144,18 @@ class GraphedForward:
             return None
         return self.buckets.fit([len(b.tokens) for b in blocks])
 
-    def run(self, blocks: list[BlockSpec], capture_key: tuple) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    def run(self, blocks: list[BlockSpec], capture_key: tuple, input_ids: torch.Tensor | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """hidden [N, H] and features for the blocks' N rows (copies: the next replay reuses the outputs), or
         None when the blocks fit no bucket. `capture_key` names whatever else the captured forward depends on
-        (the captured feature layers)."""
+        (the captured feature layers). `input_ids`: the rows' tokens on the device, in place of the blocks'."""
         bucket = self.bucket(blocks)
         if bucket is None:
             return None
         seqs, tokens, _ = bucket
         self._upload(blocks, seqs, tokens)
+        if input_ids is not None:
+            self.inputs[: len(input_ids)].copy_(input_ids)  # NOTE: the ids lead the buffer (Layout.ids)
         key = (*bucket, capture_key)
         if key not in self.graphs:
             self.graphs[key] = self._capture(*bucket)

@@ -93,6 +93,7 @@ class Engine:
         self.feature_layers = config.feature_layers  # NOTE: set by the service once a drafter says which
         self.sessions: dict[str, Session] = {}
         self.graphs = self._graphed_forward() if config.uses_cuda_graphs else None
+        self.decode_bursts = True  # NOTE: off on a tensor-parallel rank 0: its followers replay forwards, not bursts
 
     def _graphed_forward(self):  # -> GraphedForward; imported here: Triton loads only where it runs
         from verifier_service.engine.cuda_graphs import GraphedForward, Layout
@@ -242,14 +243,19 @@ class Engine:
 
     # ---- the operations on the model and the KV tensors (a tensor-parallel rank 0 mirrors each to its peers) --
 
-    def forward(self, blocks: list[BlockSpec]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(self, blocks: list[BlockSpec], input_ids: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One forward over packed verify blocks: their K/V go to the tree scratch, never the pages. A block
-        longer than any tree is a prefill chunk: it runs eagerly through the prefill path."""
+        longer than any tree is a prefill chunk: it runs eagerly through the prefill path. `input_ids`: the rows'
+        tokens already on the device (a decode burst's last choices), in place of the blocks' own."""
         if len(blocks) == 1 and len(blocks[0].tokens) > self.verify_block_tokens:
             chunk = build_prefill_chunk(blocks[0], self.device)
             return self._forward(chunk, PagedPrefillAttention)
-        replayed = self.graphs.run(blocks, self.feature_layers) if self.graphs is not None else None
-        return replayed or self._forward(build_verify_batch(blocks, self.device))
+        replayed = self.graphs.run(blocks, self.feature_layers, input_ids) if self.graphs is not None else None
+        if replayed:
+            return replayed
+        batch = build_verify_batch(blocks, self.device)
+        return self._forward(batch if input_ids is None else dataclasses.replace(batch, input_ids=input_ids))
 
     @torch.inference_mode()
     def _forward(self, batch: VerifyBatch | PrefillChunk, attention: type[PagedVerifyAttention] = PagedVerifyAttention
@@ -279,15 +285,20 @@ class Engine:
                                  f"{self.max_context} is full")
         return tree.truncated(room - 1)  # NOTE: the next root needs one position too
 
-    def _targets(self, hidden: torch.Tensor, generations: list[Generation], offsets: list[int]) -> list[list[int]]:
-        """The target's own token at every verify row, per session (rows offsets[i]:offsets[i + 1])."""
+    def _choose(self, hidden: torch.Tensor, generations: list[Generation], offsets: list[int]) -> torch.Tensor:
+        """The target's own token at every verify row ([N], on the device); session i has rows
+        offsets[i]:offsets[i + 1]."""
         greedy = all(g.params.greedy for g in generations)
         chosen = self.head(hidden, greedy)  # [N] tokens, or [N, V] logits
         if greedy:
-            tokens = chosen.tolist()  # NOTE: one copy to the host for the batch, not one per session
-            return [tokens[lo:hi] for lo, hi in zip(offsets, offsets[1:])]
-        return [choose_tokens(chosen[lo:hi], g.params, g.generator).tolist()
-                for g, lo, hi in zip(generations, offsets, offsets[1:])]
+            return chosen
+        return torch.cat([choose_tokens(chosen[lo:hi], g.params, g.generator)
+                          for g, lo, hi in zip(generations, offsets, offsets[1:])])
+
+    def _targets(self, hidden: torch.Tensor, generations: list[Generation], offsets: list[int]) -> list[list[int]]:
+        """The target's own token at every verify row, per session."""
+        tokens = self._choose(hidden, generations, offsets).tolist()  # NOTE: one copy to the host for the batch
+        return [tokens[lo:hi] for lo, hi in zip(offsets, offsets[1:])]
 
     def step(self, work: list[tuple[str, DraftTree]]) -> list[StepResult]:
         """Verify each session's tree in one batched forward, accept, commit. All trees are validated
@@ -341,6 +352,66 @@ class Engine:
         self.commit(src_rows, dst_slots)
         for s in sessions:
             s.block_table.truncate(s.kv_len)  # give back pages reserved for deeper paths
+        return results
+
+
+    # ---- plain decoding, several steps per call ---------------------------------------------------------------
+
+    def burst_length(self, session_ids: list[str], wanted: int) -> int:
+        """The plain steps a `decode` of these sessions runs: at most `wanted`, and none that every session would
+        throw away (past its context room, or past its last token)."""
+        sessions = [self.session(sid) for sid in session_ids]
+        if not self.decode_bursts or any(s.generation is None for s in sessions):
+            return 1
+        room = min(self.max_context - len(s.tokens) for s in sessions)
+        left = max(s.generation.stop.max_new_tokens - len(s.generation.stop.generated) for s in sessions)
+        return max(1, min(wanted, room, left))
+
+    def decode(self, session_ids: list[str], steps: int) -> list[StepResult]:
+        """`steps` plain decoding steps of the sessions in one call (vLLM's multi-step scheduling): each step's
+        tokens feed the next on the device, and the host reads them back once, so one step's host work (batch
+        upload, read-back, stop checks, the loop's hand-over) serves several. Each session gets one result with
+        up to `steps` tokens, cut at its stop; rows computed past a stop lie beyond its KV length and are
+        overwritten later. Tokens are exactly those of `steps` calls of `step` with empty trees. All sessions
+        are checked and their pages reserved first: on error none changes."""
+        sessions = [self.session(sid) for sid in session_ids]
+        if len({s.session_id for s in sessions}) != len(sessions):
+            raise InvalidArgument("a session appears twice in one step")
+        for s in sessions:
+            self._check_tree(s, DraftTree.empty())
+        if steps < 1 or steps > min(self.max_context - len(s.tokens) for s in sessions):
+            raise InvalidArgument(f"a decode burst of {steps} steps does not fit every session's context")
+        needed = sum(s.block_table.pages_needed(s.kv_len, s.kv_len + steps) for s in sessions)
+        if not self.pool.can_allocate(needed):
+            raise CapacityError(f"KV cache full: the burst needs {needed} pages, {self.pool.num_free} free")
+        for s in sessions:
+            s.block_table.prepare_write(s.kv_len, s.kv_len + steps, self.kv)
+
+        generations, rows = [s.generation for s in sessions], list(range(len(sessions)))
+        ids = torch.tensor([s.root for s in sessions]).to(self.device, non_blocking=True)
+        chosen, features = [], []
+        for offset in range(steps):
+            blocks = [BlockSpec.chain(s.kv_len + offset, [0], s.block_table.pages) for s in sessions]
+            hidden, step_features = self.forward(blocks, ids)
+            ids = self._choose(hidden, generations, [*rows, len(rows)])
+            self.commit(rows, [s.block_table.slot(s.kv_len + offset) for s in sessions])
+            chosen.append(ids)
+            features.append(step_features)
+        tokens = torch.stack(chosen, dim=1).tolist()  # NOTE: the burst's one wait for the GPU
+        per_row = None if features[0] is None else torch.stack(features, dim=1)  # [B, steps, F]
+
+        results = []
+        for row, (s, session_tokens) in enumerate(zip(sessions, tokens)):
+            emitted, reason = s.generation.stop.feed(session_tokens)
+            start, committed = s.kv_len, [s.root, *emitted[:-1]]
+            s.tokens += emitted
+            if reason is None and len(s.tokens) >= self.max_context:
+                reason = StopReason.CONTEXT_LIMIT
+            results.append(StepResult(
+                session_id=s.session_id, accepted=[], path=[], emitted=emitted, commit_start=start,
+                committed=committed, features=None if per_row is None else per_row[row, : len(committed)],
+                finished=reason))
+            s.block_table.truncate(s.kv_len)
         return results
 
 
