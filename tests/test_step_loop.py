@@ -19,7 +19,7 @@ from verifier_service.errors import EngineDown, InvalidArgument
 from verifier_service.metrics import VerifierMetrics
 from verifier_service.service import VerifierService
 from verifier_service.step_loop import RUN_AHEAD, StepEvent, StepLoop
-from verifier_service.tree_budget import FixedBudget, StepCosts
+from verifier_service.tree_budget import FixedBudget, StepCosts, bucket
 from verifier_service.worker import EngineWorker
 
 PROMPT = list(b"one loop steps them all")
@@ -47,6 +47,7 @@ class FakeEngine:
     batches: list[list[str]] = field(default_factory=list)
     threads: list[int] = field(default_factory=list)
     failing: str | None = None  # a session whose every step the engine refuses
+    decode_bursts: bool = False
 
     def __post_init__(self) -> None:
         self.sessions = {sid: FakeSession(sid) for sid in self.lengths}
@@ -249,6 +250,43 @@ def test_plain_batches_decode_in_bursts_and_stay_exact(tiny_target) -> None:
         assert [t for e in generation for t in e.result.emitted] == plain_generate(engine, prompt, q)
         assert len(generation[0].result.emitted) == 1 and max(len(e.result.emitted) for e in generation) == 4
     assert len(events[1]) < 13
+
+
+class BudgetChains:
+    """A drafter pool that answers each step with a chain of its budget's size, of a token the model seldom picks."""
+
+    def is_open(self, session_id: str) -> bool:
+        return True
+
+    def add_features(self, session_id: str, features) -> None:
+        pass
+
+    async def draft_all(self, steps: list[DraftStep]) -> list[DraftTree]:
+        return [DraftTree.chain([3] * step.budget) for step in steps]
+
+
+def test_a_drafting_session_keeps_the_plain_sessions_bursts_and_all_stay_exact(tiny_target) -> None:
+    """One session drafts every step while three decode plainly: each pass verifies the tree with all of them, then
+    the plain sessions go on in a burst; every output equals plain decoding."""
+    engine = make_engine(tiny_target, decode_burst_steps=4)
+    prompts = [PROMPT, PROMPT[:9], PROMPT[3:], list(b"another prompt")]
+    sessions = [engine.create_session(prompt)[0] for prompt in prompts]
+    for session in sessions:
+        engine.start_generation(session.session_id, GREEDY)
+    outputs: list = []
+    learnt: list = []
+
+    async def consume(loop: StepLoop) -> None:
+        outputs.extend(await asyncio.gather(*(read_all(loop, s, b) for s, b in zip(sessions, (5, 0, 0, 0)))))
+        learnt.extend(sizes for by_size in loop.costs.verify.rows.values() for sizes in by_size)
+
+    run_loop(engine, BudgetChains(), consume)
+    for prompt, events in zip(prompts, outputs):
+        assert [t for e in events for t in e.result.emitted] == plain_generate(engine, prompt)
+    drafting, *plain = outputs
+    assert all(e.drafted_nodes == 5 and len(e.result.emitted) <= 2 for e in drafting[1:])
+    assert all(max(len(e.result.emitted) for e in events) == 4 for events in plain)
+    assert {bucket(3), bucket(5 + 1 + 3)} <= set(learnt)  # a burst's forwards, and the tree step's
 
 
 class HeldSink:

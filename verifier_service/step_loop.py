@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import functools
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -25,7 +25,7 @@ from modeling.tree import DraftTree, TreeError
 from verifier_service.drafter_pool import DrafterPool
 from verifier_service.engine.engine import Engine, StepResult
 from verifier_service.engine.session import Session
-from verifier_service.errors import EngineDown
+from verifier_service.errors import CapacityError, EngineDown
 from verifier_service.metrics import VerifierMetrics
 from verifier_service.tree_budget import BatchShape, BudgetPolicy, StepCosts
 from verifier_service.worker import EngineWorker
@@ -275,25 +275,17 @@ class StepLoop:
             rows += size
         return batches
 
-    def _burst(self, batch: list[_Planned]) -> int:
-        """The plain steps the batch runs in one engine call: several only when every session decodes plainly past
-        its first step (which stays one step: it is the request's first token)."""
-        wanted = self.engine.config.decode_burst_steps
-        if wanted == 1 or any(plan.tree is not None or plan.stepper.cursor.step == 0 for plan in batch):
-            return 1
-        return self.engine.burst_length([plan.stepper.session_id for plan in batch], wanted)
-
     async def _verify(self, batch: list[_Planned], started: float, drafted: float) -> None:
         steps = [(plan.stepper.session_id, plan.tree or DraftTree.empty()) for plan in batch]
-        burst = self._burst(batch)
-        work = (functools.partial(self.engine.decode, [session_id for session_id, _ in steps], burst) if burst > 1
-                else functools.partial(self.engine.step, steps))
+        # NOTE: a session's first step stays one step: it is the request's first token
+        plain = [plan.stepper.session_id for plan in batch if plan.tree is None and plan.stepper.cursor.step]
+        wanted = self.engine.config.decode_burst_steps if self.engine.decode_bursts else 1
         # NOTE: inline only when the loop has had a turn since the last events went out (a draft round, or idling):
         # otherwise their readers and the stream writers run beside the GPU, the step on the engine thread
         call: Callable = self.worker.call if self.streaming else self.worker.step_call
         step_started = time.perf_counter()
         try:
-            results = await call(work)
+            ran = await call(run_batch, self.engine, steps, plain, wanted)
         except Exception as error:  # noqa: BLE001 - handed to the generation at fault
             if self.down_reason is not None:
                 return
@@ -309,8 +301,8 @@ class StepLoop:
         ended = time.perf_counter()
         gap = None if self.busy_since is None else step_started - self.busy_since
         self.busy_since = ended
-        self._observe_batch(steps, results, (ended - step_started) / burst, gap)
-        for plan, result in zip(batch, results):
+        self._observe_batch(steps, ran, gap)
+        for plan, result in zip(batch, ran.results):
             self._deliver(plan, result, started, drafted, ended)
         self.deliveries += 1
         self.streaming = True
@@ -345,25 +337,75 @@ class StepLoop:
         if tree is not None and budget and not plan.seeding:  # NOTE: opening a mirror is no cost of its steps
             self.costs.observe_draft(budget, stepper.session.kv_len, drafted - started)
         stepper.budgets.observe(budget, tree, result.path)
+        for _ in range(len(result.emitted) - result.acceptance_length):  # NOTE: a burst's plain steps after it
+            stepper.budgets.observe(0, None, [])
         event = StepEvent(stepper.cursor.step, result, len(tree) if tree else 0, drafted - started, ended - drafted)
         stepper.cursor.advance(result.committed, result.features, result.commit_start, drafted=budget > 0)
         return event
 
-    def _observe_batch(self, steps: list[tuple[str, DraftTree]], results: list[StepResult], seconds: float,
-                       gap: float | None) -> None:
+    def _observe_batch(self, steps: list[tuple[str, DraftTree]], ran: BatchRun, gap: float | None) -> None:
         """A verify batch's metrics and costs, once per batch: per session they cost the loop ~20% of a plain
-        session-step (benchmarks/results/verifier_loop.md). `seconds`: per forward (a decode burst runs several)."""
+        session-step (benchmarks/results/verifier_loop.md). Each engine forward's time goes to the costs of its
+        own shape: a tree step's, and a burst's per plain step."""
         metrics = self.metrics
         metrics.batch_sessions.observe(len(steps))
-        metrics.batch_seconds.observe(seconds)
+        forwards = (ran.step_seconds is not None) + ran.burst
+        metrics.batch_seconds.observe(((ran.step_seconds or 0.0) + ran.burst_seconds) / forwards)
         if gap is not None:
             metrics.step_gap_seconds.observe(gap)
         metrics.steps.inc(len(steps))
         metrics.drafted.inc(sum(len(tree) for _, tree in steps))
-        metrics.accepted.inc(sum(len(result.accepted) for result in results))
-        for result in results:
+        metrics.accepted.inc(sum(len(result.accepted) for result in ran.results))
+        for result in ran.results:
             metrics.acceptance.observe(result.acceptance_length)
-        shape = BatchShape(len(steps), sum(len(tree) + 1 for _, tree in steps))
         sessions = [self.engine.sessions.get(session_id) for session_id, _ in steps]
         context = sum(session.kv_len for session in sessions if session) // len(steps)
-        self.costs.observe_batch(shape, context, seconds)
+        if ran.burst:
+            self.costs.observe_batch(BatchShape(ran.burst_sessions, ran.burst_sessions), context,
+                                     ran.burst_seconds / ran.burst)
+        if ran.step_seconds is not None:  # NOTE: last: the costs keep the batch's shape as the last one observed
+            self.costs.observe_batch(BatchShape(len(steps), sum(len(tree) + 1 for _, tree in steps)), context,
+                                     ran.step_seconds)
+
+
+@dataclass
+class BatchRun:
+    """What one engine call of a batch ran: a result per session (a burst's tokens in its session's result), the
+    tree step's wall time (None when the call was a burst alone), and the burst's steps, time and sessions."""
+
+    results: list[StepResult]
+    step_seconds: float | None = None
+    burst: int = 0
+    burst_seconds: float = 0.0
+    burst_sessions: int = 0
+
+
+def run_batch(engine: Engine, steps: list[tuple[str, DraftTree]], plain: list[str], wanted: int) -> BatchRun:
+    """On the engine thread: the batch's step, and for the sessions in `plain` (decoding plainly, past their first
+    step) `wanted` plain steps in all, in one burst (Engine.decode). A batch that only decodes plainly is one
+    burst; one where some sessions draft takes their step first with everyone, then the plain sessions' burst, so
+    a few drafting sessions do not cost the others theirs. A burst the KV cannot hold is left out: the step alone
+    still runs."""
+    if plain and len(plain) == len(steps) and wanted > 1:
+        burst = engine.burst_length(plain, wanted)
+        with contextlib.suppress(CapacityError):
+            started = time.perf_counter()
+            results = engine.decode(plain, burst)
+            return BatchRun(results, None, burst, time.perf_counter() - started, len(plain))
+    started = time.perf_counter()
+    results = engine.step(steps)
+    ran = BatchRun(results, time.perf_counter() - started)
+    finished = {result.session_id for result in results if result.finished}
+    live = [session_id for session_id in plain if session_id not in finished]
+    if wanted == 1 or not live:
+        return ran
+    burst = engine.burst_length(live, wanted - 1)
+    started = time.perf_counter()
+    try:
+        more = {result.session_id: result for result in engine.decode(live, burst)}
+    except CapacityError:
+        return ran
+    ran.burst, ran.burst_seconds, ran.burst_sessions = burst, time.perf_counter() - started, len(live)
+    ran.results = [result.then(more[result.session_id]) if result.session_id in more else result
+                   for result in results]
+    return ran
