@@ -2,7 +2,7 @@
 it, the host's share (wall minus busy) and the floor (weights and every session's KV read once at the measured
 copy bandwidth). Where the serving loop's step time goes before any gRPC is involved.
 
-    python benchmarks/batch_step.py [--shape qwen3-8b] [--sessions 1 16 32 64 128] [--budgets 0 15]
+    python benchmarks/batch_step.py [--shape qwen3-8b] [--sessions 1 16 32 64 128] [--budgets 0 15] [--burst K]
     python benchmarks/batch_step.py --shape tiny --sessions 1 4 --profile-host   # CPU smoke run
 """
 
@@ -73,22 +73,27 @@ def floor_ms(engine: Engine, weights: dict, sessions: int, context: int, bandwid
 
 
 def measure(engine: Engine, weights: dict, sessions: int, budget: int, context: int, bandwidth: float,
-            profile_host: bool) -> dict:
+            profile_host: bool, burst: int = 1) -> dict:
+    """One point; a plain point with burst > 1 times `Engine.decode` of that many steps and reports per step."""
     ids = open_sessions(engine, sessions, context)
     generator = torch.Generator().manual_seed(sessions + budget)
     trees = [random_tree(budget, engine.model_config.vocab_size, generator) if budget else DraftTree.empty()
              for _ in ids]
+    forwards = 1 if budget else burst
 
     def step() -> None:
-        engine.step(list(zip(ids, trees)))
+        if forwards > 1:
+            engine.decode(ids, forwards)
+        else:
+            engine.step(list(zip(ids, trees)))
 
-    wall = timed(step)
-    row = {"sessions": sessions, "budget": budget, "context": context, "step_ms": wall,
+    wall = timed(step) / forwards
+    row = {"sessions": sessions, "budget": budget, "context": context, "burst": forwards, "step_ms": wall,
            "floor_ms": floor_ms(engine, weights, sessions, context, bandwidth)}
     if engine.device.type == "cuda":
-        row["gpu_busy_ms"] = gpu_busy_ms(step)
+        row["gpu_busy_ms"] = gpu_busy_ms(step) / forwards
         row["host_ms"] = wall - row["gpu_busy_ms"]
-        row["kernels_ms"] = kernel_breakdown(step)
+        row["kernels_ms"] = {name: ms / forwards for name, ms in kernel_breakdown(step).items()}
     if profile_host:
         print(f"# host profile, {sessions} sessions, budget {budget}\n{host_profile(step)}", flush=True)
     for session_id in ids:
@@ -104,15 +109,17 @@ def kernels(row: dict, top: int = 4) -> str:
 def markdown(result: dict) -> str:
     lines = [f"# One engine step of B sessions ({result['shape']}, {result['device']})", "",
              f"`{result['command']}`", "",
-             "| sessions | budget | context | step ms | GPU busy ms | host ms (step - busy) | floor ms | step / floor "
-             "| GPU kernels, ms per step |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| sessions | budget | steps per call | context | step ms | GPU busy ms | host ms (step - busy) "
+             "| floor ms | step / floor | GPU kernels, ms per step |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         busy, host = (f"{r[k]:.2f}" if k in r else "-" for k in ("gpu_busy_ms", "host_ms"))
-        lines.append(f"| {r['sessions']} | {r['budget']} | {r['context']} | {r['step_ms']:.2f} | {busy} | {host} "
+        lines.append(f"| {r['sessions']} | {r['budget']} | {r['burst']} | {r['context']} | {r['step_ms']:.2f} "
+                     f"| {busy} | {host} "
                      f"| {r['floor_ms']:.2f} | {r['step_ms'] / r['floor_ms']:.2f}x | {kernels(r)} |")
     return "\n".join(lines) + ("\n\nThe step is `Engine.step` (batch building, the forward, acceptance, commit) with "
-                               "the GPU synchronised after it; GPU busy is the union of its kernels' intervals in the "
+                               "the GPU synchronised after it (with several steps per call: `Engine.decode`, its times "
+                               "divided by its steps); GPU busy is the union of its kernels' intervals in the "
                                "profiler; the floor reads the layer and LM-head weights and every session's KV once "
                                "at the measured copy bandwidth.\n")
 
@@ -123,17 +130,20 @@ def main() -> None:
     parser.add_argument("--sessions", type=int, nargs="+", default=[1, 16, 32, 64, 128])
     parser.add_argument("--budgets", type=int, nargs="+", default=[0, 15])
     parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--burst", type=int, default=1,
+                        help="plain steps per engine call (Engine.decode) at budget 0; times are per step")
     parser.add_argument("--profile-host", action="store_true", help="print a cProfile of each point's steps")
     parser.add_argument("--out-dir", type=Path, default=Path("benchmarks/results"))
     args = parser.parse_args()
     torch.manual_seed(0)
     shape, drafter_shape, device = shape_of(args.shape)
     ours, _ = build_ours(shape, drafter_shape, device)
-    tokens_per_session = args.context + 64 * (max(args.budgets) + 1)  # NOTE: room for the timed steps' commits
+    # NOTE: room for the timed steps' commits (~25 calls)
+    tokens_per_session = args.context + 64 * max(max(args.budgets) + 1, args.burst)
     engine = engine_for(ours, device, tokens_per_session, sessions=max(args.sessions))
     bandwidth, weights = copy_bandwidth(device), weight_counts(ours)
     engine.warm_up(max(args.budgets) + 1)
-    rows = [measure(engine, weights, sessions, budget, args.context, bandwidth, args.profile_host)
+    rows = [measure(engine, weights, sessions, budget, args.context, bandwidth, args.profile_host, args.burst)
             for budget in args.budgets for sessions in args.sessions]
     device_name = "CPU" if device == "cpu" else torch.cuda.get_device_name()
     result = {"command": "python " + " ".join(sys.argv), "shape": args.shape, "device": device_name,

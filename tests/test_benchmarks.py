@@ -34,11 +34,11 @@ def test_e2e_step_smoke_run_writes_its_table(tmp_path: Path, shape: str) -> None
 
 def test_batch_step_smoke_run_writes_its_table(tmp_path: Path) -> None:
     run_benchmark("batch_step.py", "--shape", "tiny", "--sessions", "1", "3", "--budgets", "0", "7", "--context", "64",
-                  "--out-dir", str(tmp_path))
+                  "--burst", "4", "--out-dir", str(tmp_path))
     rows = json.loads((tmp_path / "batch_step_tiny.json").read_text())["rows"]
-    assert [(r["sessions"], r["budget"]) for r in rows] == [(1, 0), (3, 0), (1, 7), (3, 7)]
+    assert [(r["sessions"], r["budget"], r["burst"]) for r in rows] == [(1, 0, 4), (3, 0, 4), (1, 7, 1), (3, 7, 1)]
     assert all(r["step_ms"] > 0 and r["floor_ms"] > 0 for r in rows)
-    assert "| 3 | 7 | 64 |" in (tmp_path / "batch_step_tiny.md").read_text()
+    assert "| 3 | 7 | 1 | 64 |" in (tmp_path / "batch_step_tiny.md").read_text()
 
 
 @pytest.mark.parametrize("shape", ["tiny", "tiny-mla"])
