@@ -130,8 +130,10 @@ def kv_budget_mb(target: Path, tokens_per_session: int, sessions: int, page_size
 
 
 def verifier_words(args: argparse.Namespace) -> list[str]:
-    """What the verifier gets besides this script's own words: `--budget-policy` and every `--verifier-arg`."""
-    words = ["--budget-policy", args.budget_policy] if args.budget_policy else []
+    """What the verifier gets besides this script's own words: `--budget-policy` and every `--verifier-arg`. Plain
+    steps go one per engine call unless a `--verifier-arg` says otherwise: each step is then one message, whose
+    time this script sets against the engine step's."""
+    words = ["--decode-burst-steps", "1", *(["--budget-policy", args.budget_policy] if args.budget_policy else [])]
     return words + [word for value in args.verifier_arg for word in shlex.split(value)]
 
 
