@@ -1,8 +1,9 @@
 """The verifier -> drafter hop alone: S sessions ask an n-gram drafter replica (its own process, real gRPC) for a
 tree at once, round after round, as the verify steps of S sessions do; one message per request and reply, or the
-requests of a round in one batch message (and their replies in one). Per session-step: the wall time of a round,
-and the verifier process's CPU time (what its event loop and gRPC spend on the hop, and so take from the engine
-thread's GIL).
+requests of a round in one batch message (and their replies in one). A round is what the step loop's draft does
+(verifier_service/step_loop.py): one `draft_all` over every session's step, then each tree validated. Per
+session-step: the wall time of a round, and the verifier process's CPU time (what its event loop and gRPC spend on
+the hop, and so take from the engine thread's GIL).
 
     python benchmarks/drafter_hop.py [--sessions 1 16 64] [--budget 15] [--rounds 200]
 """
@@ -25,6 +26,7 @@ from verifier_service.drafter_pool import DrafterPool  # noqa: E402
 from verifier_service.metrics import VerifierMetrics  # noqa: E402
 
 PERIOD = list(range(3, 40))  # a periodic text: every draft finds a chain
+VOCAB, MAX_NODES = 151_936, 255  # what the step loop validates trees against (Qwen3's vocabulary, the engine default)
 
 
 async def rounds(address: str, sessions: int, budget: int, count: int, batches: bool) -> dict:
@@ -45,11 +47,15 @@ async def rounds(address: str, sessions: int, budget: int, count: int, batches: 
         return DraftStep(f"s{session}", n + 1, [PERIOD[(position + n - 1) % len(PERIOD)]], None, root,
                          position + n - 1, budget)
 
-    await asyncio.gather(*(pool.draft(step(s, 0)) for s in range(sessions)))  # opens every mirror
+    await pool.draft_all([step(s, 0) for s in range(sessions)])  # opens every mirror
     wall, cpu, nodes = [], [], 0
     for n in range(1, count + 1):
+        steps = [step(s, n) for s in range(sessions)]
         started, started_cpu = time.perf_counter(), time.process_time()
-        trees = await asyncio.gather(*(pool.draft(step(s, n)) for s in range(sessions)))
+        trees = await pool.draft_all(steps)
+        for tree in trees:
+            if tree is not None:
+                tree.validate(VOCAB, MAX_NODES)
         wall.append(time.perf_counter() - started)
         cpu.append(time.process_time() - started_cpu)
         nodes += sum(len(tree) for tree in trees if tree is not None)

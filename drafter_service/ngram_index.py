@@ -20,11 +20,15 @@ step, extend() it with the accepted tokens and the new pending token.
 
 from __future__ import annotations
 
+import heapq
 import math
+from collections import Counter
 
 import numpy as np
 
 from modeling.tree import DraftTree
+
+FEW_TOKENS = 16  # appends up to this many tokens go one by one (a step's), longer ones through numpy (a seed's)
 
 
 class _Session:
@@ -40,13 +44,27 @@ class _Session:
 
     def append(self, new_tokens: list[int]) -> None:
         start = len(self.tokens)
-        self.tokens.extend(int(t) for t in new_tokens)
+        self.tokens.extend(map(int, new_tokens))
         end = len(self.tokens)
         if end > len(self.buffer):
             self.buffer, self.pairs = _grown(self.buffer, start, 2 * end), _grown(self.pairs, start, 2 * end)
+        if 0 < start and end - start <= FEW_TOKENS:
+            self._append_few(start, end)
+            return
         self.buffer[start:end] = self.tokens[start:end]
         first = max(start, 1)
         self.pairs[first:end] = (self.buffer[first - 1:end - 1] << 32) | self.buffer[first:end]
+
+    def _append_few(self, start: int, end: int) -> None:
+        """A step's few tokens one by one: cheaper than numpy's per-call cost. NOTE: tokens are int32 (proto), so a
+        pair's key fits int64 exactly as numpy computes it."""
+        tokens, buffer, pairs = self.tokens, self.buffer, self.pairs
+        previous = tokens[start - 1]
+        for p in range(start, end):
+            token = tokens[p]
+            buffer[p] = token
+            pairs[p] = (previous << 32) | token
+            previous = token
 
 
 def _grown(array: np.ndarray, used: int, size: int) -> np.ndarray:
@@ -93,8 +111,8 @@ class NgramIndex:
         session = self._sessions[session_id]
         if budget <= 0 or max_depth <= 0:
             return DraftTree.empty()
-        tokens = session.tokens
-        return _trie_tree([_continuation(tokens, p, max_depth) for p in self._match_starts(session)], budget)
+        # NOTE: a kept node's ancestors are kept before it, so no node deeper than the budget is ever kept
+        return _trie_tree(_continuations(session.tokens, self._match_starts(session), min(max_depth, budget)), budget)
 
     def _match_starts(self, session: _Session) -> list[int]:
         """Continuation starts of the longest earlier-seen suffix n-gram, most recent first: the ends p < len of
@@ -103,14 +121,15 @@ class NgramIndex:
         a scan for the last token."""
         length = len(session.tokens)
         history = session.buffer[:length]
-        ends = np.flatnonzero(session.pairs[1:length - 1] == session.pairs[length - 1]) + 2 if length > 2 else []
+        ends = (session.pairs[1:length - 1] == session.pairs[length - 1]).nonzero()[0] + 2 if length > 2 else []
         if not len(ends) or self.max_n < 2:
             if self.min_n > 1:
                 return []
-            return _recent(np.flatnonzero(history[:length - 1] == history[length - 1]) + 1, self.max_matches)
+            return _recent((history[:length - 1] == history[length - 1]).nonzero()[0] + 1, self.max_matches)
         found = ends if self.min_n <= 2 else ends[:0]
         for n in range(3, min(self.max_n, length) + 1):
-            ends = ends[ends >= n]
+            if ends[0] < n:  # NOTE: ends ascend: only the earliest ones can be too close to the start
+                ends = ends[ends >= n]
             ends = ends[history[ends - n] == history[length - n]]
             if not len(ends):
                 break
@@ -122,6 +141,12 @@ class NgramIndex:
 def _recent(ends: np.ndarray, count: int) -> list[int]:
     """The last `count` ends, most recent first."""
     return ends[-count:][::-1].tolist()
+
+
+def _continuations(tokens: list[int], starts: list[int], length: int) -> list[list[int]]:
+    """The `length` tokens that followed each start (see `_continuation`)."""
+    last = len(tokens) - length  # NOTE: a start past it runs out of history
+    return [tokens[p:p + length] if p <= last else _continuation(tokens, p, length) for p in starts]
 
 
 def _continuation(tokens: list[int], start: int, length: int) -> list[int]:
@@ -140,39 +165,49 @@ def _trie_tree(continuations: list[list[int]], budget: int) -> DraftTree:
     Continuations come most recent first, so among equal counts and depths the recent occurrence wins;
     shallower-first on ties spreads the budget over alternatives instead of one long single-match chain
     (better acceptance: benchmarks/results/ngram_trie.md). A child's count never exceeds its parent's
-    and the child is deeper, so sorting by (-count, depth, creation order) lists parents first: the kept
-    prefix is a tree in topological order.
+    and the child is deeper, so the order (-count, depth, creation order) lists parents first: the kept
+    prefix is a tree in topological order, and popping nodes best-first from a heap of the kept nodes' children
+    yields it without building the rest of the trie. All continuations have the same length.
     """
-    # NOTE: periodic text repeats whole continuations: insert each distinct one once, with its multiplicity
-    # (same trie, same creation order: a repeat never creates a node).
-    repeats: dict[tuple[int, ...], int] = {}
-    for continuation in continuations:
-        key = tuple(continuation)
-        repeats[key] = repeats.get(key, 0) + 1
-    children: list[dict[int, int]] = [{}]  # trie node 0 = the root
-    token_of, parent_of, depth_of, count = [-1], [-1], [0], [len(continuations)]
-    for continuation, times in repeats.items():
-        node = 0
-        for token in continuation:
-            child = children[node].get(token)
-            if child is None:
-                child = len(token_of)
-                children[node][token] = child
-                children.append({})
-                token_of.append(token)
-                parent_of.append(node)
-                depth_of.append(depth_of[node] + 1)
-                count.append(0)
-            count[child] += times
-            node = child
-    kept = sorted(range(1, len(token_of)), key=lambda i: (-count[i], depth_of[i], i))[:budget]
-    position = {0: -1}
+    total = len(continuations)
+    if not total:
+        return DraftTree.empty()
+    if continuations.count(continuations[0]) == total:  # all agree: a chain, every count the total
+        n = min(budget, len(continuations[0]))
+        return DraftTree(tuple(continuations[0][:n]), tuple(range(-1, n - 1)), tuple(range(1, n + 1)), (0.0,) * n)
+    # NOTE: periodic text repeats whole continuations: each distinct one once, with its multiplicity. A node is
+    # created by the first continuation through it, so (its first-seen index, depth) is its creation order.
+    members = [(first, continuation, times)
+               for first, (continuation, times) in enumerate(Counter(map(tuple, continuations)).items())]
+    length = len(continuations[0])
+    heap = _children(members, 0, -1)
+    heapq.heapify(heap)
     tokens, parents, depths, logprobs = [], [], [], []
-    for i in kept:
-        parent = position[parent_of[i]]
-        position[i] = len(tokens)
-        tokens.append(token_of[i])
+    while heap and len(tokens) < budget:
+        negative_count, depth, _, parent, token, through = heapq.heappop(heap)
+        if depth < length:
+            for child in _children(through, depth, len(tokens)):
+                heapq.heappush(heap, child)
+        tokens.append(token)
         parents.append(parent)
-        depths.append(depth_of[i])
-        logprobs.append(math.log(count[i] / count[0]))
+        depths.append(depth)
+        logprobs.append(math.log(-negative_count / total))
     return DraftTree(tuple(tokens), tuple(parents), tuple(depths), tuple(logprobs))
+
+
+_Member = tuple[int, tuple[int, ...], int]  # (first-seen index, continuation, multiplicity)
+_Node = tuple[int, int, int, int, int, list[_Member]]  # (-count, depth, first-seen index, parent, token, members)
+# NOTE: no two nodes share their first three fields, so the heap never compares the rest
+
+
+def _children(members: list[_Member], depth: int, parent: int) -> list[_Node]:
+    """The children of the node at `depth` (at output position `parent`) that `members` pass through, as heap
+    entries: the continuations grouped by their token at `depth`, each group in first-seen order."""
+    if len(members) == 1:
+        ((first, continuation, times),) = members
+        return [(-times, depth + 1, first, parent, continuation[depth], members)]
+    groups: dict[int, list[_Member]] = {}
+    for member in members:
+        groups.setdefault(member[1][depth], []).append(member)
+    return [(-sum(times for _, _, times in group), depth + 1, group[0][0], parent, token, group)
+            for token, group in groups.items()]

@@ -21,6 +21,7 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import grpc
 import torch
@@ -28,7 +29,7 @@ import torch
 from drafter_service.drafter import Drafter
 from modeling.speculation import DrafterSeed, DraftStep
 from modeling.tree import DraftTree
-from proto import common_pb2, drafter_pb2, drafter_pb2_grpc
+from proto import drafter_pb2, drafter_pb2_grpc
 from proto.status import status_of
 from proto.tensors import from_proto
 
@@ -37,6 +38,38 @@ log = logging.getLogger(__name__)
 # NOTE: replies waiting for a verifier that reads slowly. Past this many the stream's reader stops taking
 # requests until writes catch up (backpressure through gRPC flow control), so they cannot pile up.
 PENDING_REPLIES_LIMIT = 256
+
+
+class _TreeReply(NamedTuple):
+    """A drafted tree waiting to be written: it goes into its slot of the outgoing message field by field when the
+    message is built (nested message constructors copy every level, once more into a batch)."""
+
+    session_id: str
+    step: int
+    tree: DraftTree
+    replica_id: str
+    draft_ms: float
+
+    def fill(self, message: drafter_pb2.DrafterReply) -> None:
+        reply = message.tree
+        reply.session_id, reply.step, reply.replica_id, reply.draft_ms = (
+            self.session_id, self.step, self.replica_id, self.draft_ms)
+        tree, out = self.tree, reply.tree
+        out.tokens.extend(tree.tokens)
+        out.parents.extend(tree.parents)
+        out.depths.extend(tree.depths)
+        out.logprobs.extend(tree.logprobs)
+
+
+_Reply = drafter_pb2.DrafterReply | _TreeReply
+
+
+def _message(reply: _Reply) -> drafter_pb2.DrafterReply:
+    if isinstance(reply, drafter_pb2.DrafterReply):
+        return reply
+    message = drafter_pb2.DrafterReply()
+    reply.fill(message)
+    return message
 
 
 class _Stream:
@@ -48,7 +81,7 @@ class _Stream:
         self.context = context
         self.batches = False
         self.opened: set[str] = set()
-        self.pending: deque[drafter_pb2.DrafterReply] = deque()
+        self.pending: deque[_Reply] = deque()
         self.writing = False
         self.writer: asyncio.Task | None = None
         self.ended = False
@@ -60,14 +93,14 @@ class _Stream:
             self.drained.clear()
             await self.drained.wait()
 
-    async def write(self, *replies: drafter_pb2.DrafterReply) -> None:
+    async def write(self, *replies: _Reply) -> None:
         """The reader's path: write now, or behind the write under way (which then sends these too)."""
         self.pending.extend(replies)
         if not self.writing:
             self.writing = True
             await self._write_pending()
 
-    def write_soon(self, reply: drafter_pb2.DrafterReply) -> None:
+    def write_soon(self, reply: _Reply) -> None:
         """The scheduler's path: it serves many streams, so a task does the waiting."""
         if self.ended:
             return
@@ -88,9 +121,16 @@ class _Stream:
 
     def _next_message(self) -> drafter_pb2.DrafterReply:
         if not self.batches or len(self.pending) == 1:
-            return self.pending.popleft()
-        replies, self.pending = list(self.pending), deque()
-        return drafter_pb2.DrafterReply(batch=drafter_pb2.DrafterReplies(replies=replies))
+            return _message(self.pending.popleft())
+        pending, self.pending = self.pending, deque()
+        message = drafter_pb2.DrafterReply()
+        replies = message.batch.replies
+        for reply in pending:
+            if isinstance(reply, _TreeReply):
+                reply.fill(replies.add())
+            else:
+                replies.append(reply)
+        return message
 
     async def _write_in_background(self) -> None:
         try:
@@ -126,8 +166,10 @@ def _merge(older: DraftStep, newer: DraftStep) -> DraftStep:
     return replace(newer, committed=older.committed + newer.committed, features=features, position=older.position)
 
 
-def _tree_pb(tree: DraftTree) -> common_pb2.DraftTree:
-    return common_pb2.DraftTree(tokens=tree.tokens, parents=tree.parents, depths=tree.depths, logprobs=tree.logprobs)
+def _step_from_pb(message: drafter_pb2.DrafterStep) -> DraftStep:
+    """ValueError for malformed features."""
+    return DraftStep(message.session_id, message.step, message.committed_token_ids[:], from_proto(message.features),
+                     message.root_token_id, message.position, message.tree_budget)
 
 
 # NOTE: a malformed tensor or position from the verifier raises a plain ValueError deep in the drafter.
@@ -197,10 +239,13 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         steps = []
         for request in requests:
             kind = request.WhichOneof("kind")
-            if kind == "open":
+            if kind == "step":
+                try:
+                    steps.append(_step_from_pb(request.step))
+                except ValueError as error:
+                    await stream.write(self._error(request.step.session_id, request.step.step, error))
+            elif kind == "open":
                 await self._open(request.open, stream)
-            elif kind == "step" and (step := await self._parse_step(request.step, stream)) is not None:
-                steps.append(step)
             elif kind == "close":
                 self._close(request.close.session_id, stream.opened)
         if steps and self._idle() and len({step.session_id for step in steps}) == len(steps):
@@ -208,15 +253,6 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         else:
             for step in steps:
                 self._enqueue(step, stream)
-
-    async def _parse_step(self, message: drafter_pb2.DrafterStep, stream: _Stream) -> DraftStep | None:
-        try:
-            features = from_proto(message.features)
-        except ValueError as error:
-            await stream.write(self._error(message.session_id, message.step, error))
-            return None
-        return DraftStep(message.session_id, message.step, list(message.committed_token_ids), features,
-                         message.root_token_id, message.position, message.tree_budget)
 
     def _idle(self) -> bool:
         """Nothing queued and no reply being written: a step now has no batch to join."""
@@ -240,7 +276,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                 for stream, reply in self._draft(batch):
                     stream.write_soon(reply)  # NOTE: its writer task runs before a later step can wake us again
 
-    def _draft(self, batch: list[_Queued]) -> list[tuple[_Stream, drafter_pb2.DrafterReply]]:
+    def _draft(self, batch: list[_Queued]) -> list[tuple[_Stream, _Reply]]:
         """One forward for the batch; a failure is retried one session at a time, to isolate the one at fault."""
         started = time.perf_counter()
         try:
@@ -251,9 +287,8 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             step = batch[0].step
             return [(batch[0].stream, self._error(step.session_id, step.step, error))]
         draft_ms = (time.perf_counter() - started) * 1e3
-        return [(queued.stream, drafter_pb2.DrafterReply(tree=drafter_pb2.DrafterTree(
-            session_id=queued.step.session_id, step=queued.step.step, tree=_tree_pb(tree),
-            replica_id=self.replica_id, draft_ms=draft_ms))) for queued, tree in zip(batch, trees)]
+        return [(queued.stream, _TreeReply(queued.step.session_id, queued.step.step, tree, self.replica_id, draft_ms))
+                for queued, tree in zip(batch, trees)]
 
     async def Info(self, request, context) -> drafter_pb2.DrafterInfoReply:
         info = self.drafter.info

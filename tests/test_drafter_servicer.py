@@ -8,14 +8,19 @@ servicer behind real gRPC with the verifier's DrafterPool."""
 from __future__ import annotations
 
 import asyncio
+import random
+from collections import deque
+from dataclasses import replace
 
 import grpc
+import torch
 
 from drafter_service.ngram_drafter import NgramDrafter
-from drafter_service.servicer import DrafterServicer
+from drafter_service.servicer import DrafterServicer, _message, _step_from_pb, _Stream, _TreeReply
 from modeling.speculation import DrafterSeed, DraftStep
+from modeling.tree import DraftTree
 from proto import common_pb2, drafter_pb2, drafter_pb2_grpc
-from verifier_service.drafter_pool import DrafterPool, ReplicaLink
+from verifier_service.drafter_pool import DrafterPool, ReplicaLink, _step_pb, _tree_from_pb
 from verifier_service.metrics import VerifierMetrics
 
 PROMPT = [5, 6, 7, 8, 5, 6, 7, 9, 5, 6]
@@ -349,3 +354,51 @@ def test_a_link_sends_what_queued_together_as_one_batch_and_ends_at_the_close(mo
     alone, (batch, last) = asyncio.run(main())
     assert alone.close.session_id == "a"
     assert [r.close.session_id for r in batch.batch.requests] == ["b", "c"] and last.close.session_id == "d"
+
+
+def _random_tree(rng: random.Random) -> DraftTree:
+    n = rng.randrange(0, 12)
+    parents = tuple(rng.randrange(-1, i) for i in range(n))
+    depths: list[int] = []
+    for parent in parents:
+        depths.append(1 if parent < 0 else depths[parent] + 1)
+    logprobs = tuple(-rng.randrange(1000) / 64 for _ in range(n)) if rng.random() < 0.8 else ()  # float32 exact
+    return DraftTree(tuple(rng.randrange(1000) for _ in range(n)), parents, tuple(depths), logprobs)
+
+
+def test_replies_written_field_by_field_equal_the_constructed_messages() -> None:
+    """A batch reply filled slot by slot (errors among the trees) is the message nested constructors build, and the
+    verifier reads each tree back as drafted."""
+    rng = random.Random(0)
+    pending, expected = [], []
+    for i in range(20):
+        if i % 7 == 3:
+            error = drafter_pb2.DrafterReply(error=drafter_pb2.DrafterSessionError(session_id=f"s{i}", step=i, code=5))
+            pending.append(error)
+            expected.append(error)
+            continue
+        tree = _random_tree(rng)
+        pending.append(_TreeReply(f"s{i}", i, tree, "r0", 0.5))
+        expected.append(drafter_pb2.DrafterReply(tree=drafter_pb2.DrafterTree(
+            session_id=f"s{i}", step=i, tree=common_pb2.DraftTree(
+                tokens=tree.tokens, parents=tree.parents, depths=tree.depths, logprobs=tree.logprobs),
+            replica_id="r0", draft_ms=0.5)))
+    stream = _Stream(None)
+    stream.batches, stream.pending = True, deque(pending)
+    batch = stream._next_message()
+    assert batch == drafter_pb2.DrafterReply(batch=drafter_pb2.DrafterReplies(replies=expected))
+    assert [_message(reply) for reply in pending] == expected
+    trees = [reply.tree for reply in pending if isinstance(reply, _TreeReply)]
+    assert [_tree_from_pb(r.tree.tree) for r in batch.batch.replies if r.WhichOneof("kind") == "tree"] == trees
+
+
+def test_a_step_reads_back_on_the_drafter_as_the_verifier_sent_it() -> None:
+    features = torch.randn(2, 3)
+    for step in (DraftStep("a", 3, [4, 5], None, 6, 70, 15), DraftStep("b", 1, [], None, 2, 9, 1),
+                 DraftStep("c", 2, [7, 8], features, 9, 10, 4)):
+        message = drafter_pb2.DrafterStep.FromString(_step_pb(step).step.SerializeToString())
+        parsed = _step_from_pb(message)
+        assert replace(parsed, features=None) == replace(step, features=None)
+        assert (parsed.features is None) == (step.features is None)
+        if step.features is not None:
+            assert torch.equal(parsed.features, step.features)

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
 
-from drafter_service.ngram_index import NgramIndex
+from drafter_service.ngram_index import NgramIndex, _continuation, _trie_tree
 from modeling.tree import DraftTree
 
 
@@ -111,3 +112,48 @@ def test_the_suffix_lookup_matches_a_brute_force_search(min_n: int, max_n: int) 
         index = NgramIndex(min_n=min_n, max_n=max_n, max_matches=5)
         index.open("s", tokens)
         assert index._match_starts(index._sessions["s"]) == _reference_starts(tokens, min_n, max_n, 5), tokens
+
+
+def _reference_trie(continuations: list[list[int]], budget: int) -> DraftTree:
+    """The whole trie, every node sorted by (-count, depth, creation order), the first `budget` kept."""
+    children: list[dict[int, int]] = [{}]  # node 0 = the root
+    token_of, parent_of, depth_of, count = [-1], [-1], [0], [len(continuations)]
+    for continuation in continuations:
+        node = 0
+        for token in continuation:
+            if token not in children[node]:
+                children[node][token] = len(token_of)
+                children.append({})
+                token_of.append(token)
+                parent_of.append(node)
+                depth_of.append(depth_of[node] + 1)
+                count.append(0)
+            node = children[node][token]
+            count[node] += 1
+    kept = sorted(range(1, len(token_of)), key=lambda i: (-count[i], depth_of[i], i))[:budget]
+    position = {0: -1} | {node: i for i, node in enumerate(kept)}
+    return DraftTree(tuple(token_of[i] for i in kept), tuple(position[parent_of[i]] for i in kept),
+                     tuple(depth_of[i] for i in kept), tuple(math.log(count[i] / count[0]) for i in kept))
+
+
+def test_the_best_first_trie_equals_sorting_the_whole_trie() -> None:
+    rng = random.Random(7)
+    for _ in range(500):
+        vocab, length = rng.choice([1, 2, 3, 5, 50]), rng.randrange(1, 9)
+        distinct = [[rng.randrange(vocab) for _ in range(length)] for _ in range(rng.randrange(1, 6))]
+        continuations = [list(rng.choice(distinct)) for _ in range(rng.randrange(0, 40))]
+        budget = rng.randrange(1, 50)
+        assert _trie_tree(continuations, budget) == _reference_trie(continuations, budget), (continuations, budget)
+
+
+@pytest.mark.parametrize("vocab", [2, 4, 16])
+def test_drafts_equal_the_whole_trie_of_full_depth_continuations(vocab: int) -> None:
+    """Continuations cut at the budget's depth change nothing: no deeper node is ever kept."""
+    rng = random.Random(vocab)
+    index = _drafter([rng.randrange(vocab) for _ in range(400)], max_matches=32)
+    for _ in range(100):
+        index.extend("s", [rng.randrange(vocab) for _ in range(rng.randrange(1, 4))])
+        budget, max_depth = rng.randrange(1, 40), rng.randrange(1, 17)
+        tokens = index.history("s")
+        full = [_continuation(tokens, p, max_depth) for p in index._match_starts(index._sessions["s"])]
+        assert index.draft("s", budget, max_depth) == _reference_trie(full, budget)

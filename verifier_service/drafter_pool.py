@@ -18,7 +18,7 @@ from prometheus_client import Counter
 
 from modeling.speculation import DraftStep, drafter_seed
 from modeling.tree import DraftTree
-from proto import drafter_pb2, drafter_pb2_grpc
+from proto import common_pb2, drafter_pb2, drafter_pb2_grpc
 from proto.security import NO_AUTH, InternalAuth
 from proto.tensors import to_proto
 from verifier_service.metrics import VerifierMetrics
@@ -59,7 +59,7 @@ class ReplicaLink:
         self.channel = auth.channel(address, channel_options)
         self.stub = drafter_pb2_grpc.DrafterStub(self.channel)
         self.outbox: asyncio.Queue[drafter_pb2.DrafterRequest | None] = asyncio.Queue(OUTBOX_LIMIT)
-        self.waiting: dict[tuple[str, int], asyncio.Future] = {}
+        self.waiting: dict[tuple[str, int], tuple[_Round, int]] = {}  # a step's round and its place in it
         self.on_session_error = on_session_error
         self.on_lost = on_lost
         self.info: drafter_pb2.DrafterInfoReply | None = None
@@ -99,8 +99,7 @@ class ReplicaLink:
                     break
                 batch.append(more)
                 size += more_size
-            yield batch[0] if len(batch) == 1 else drafter_pb2.DrafterRequest(
-                batch=drafter_pb2.DrafterRequests(requests=batch))
+            yield batch[0] if len(batch) == 1 else _batch(batch)
 
     async def _read(self) -> None:
         try:
@@ -111,9 +110,9 @@ class ReplicaLink:
             log.warning("drafter %s lost: %s", self.address, error.code())
         finally:
             was_alive, self.alive = self.alive, False
-            for future in self.waiting.values():
-                if not future.done():
-                    future.set_exception(ConnectionError(f"drafter {self.address} lost"))
+            lost = ConnectionError(f"drafter {self.address} lost")
+            for waiting, index in self.waiting.values():
+                waiting.answer(index, lost)
             self.waiting.clear()
             if was_alive:
                 self.on_lost()
@@ -121,9 +120,9 @@ class ReplicaLink:
     def _deliver(self, reply: drafter_pb2.DrafterReply) -> None:
         kind = reply.WhichOneof("kind")
         message = getattr(reply, kind)
-        future = self.waiting.pop((message.session_id, message.step), None)
-        if future is not None and not future.done():
-            future.set_result(reply)
+        asked = self.waiting.pop((message.session_id, message.step), None)
+        if asked is not None:
+            asked[0].answer(asked[1], reply)
         elif kind == "error":
             self.on_session_error(message.session_id)  # a failed Open or a stale step's error
 
@@ -152,19 +151,17 @@ class ReplicaLink:
             on_healthy()
             return
 
-    def request(self, session_id: str, step: int, request: drafter_pb2.DrafterRequest) -> asyncio.Future:
-        """Send a step's request; the future gets its reply (ConnectionError when the stream ends first). Raises
-        asyncio.QueueFull when the replica has stopped reading."""
-        future = asyncio.get_running_loop().create_future()
+    def request(self, session_id: str, step: int, request: drafter_pb2.DrafterRequest, waiting: _Round) -> int:
+        """Send a step's request; `waiting` gets its reply (ConnectionError when the stream ends first) at the
+        returned index. Raises asyncio.QueueFull when the replica has stopped reading."""
         self.send(request)
-        self.waiting[(session_id, step)] = future
-        return future
+        index = waiting.expect()
+        self.waiting[(session_id, step)] = (waiting, index)
+        return index
 
     def forget(self, session_id: str, step: int) -> None:
         """No one waits for the step's reply any more: a late one is stale and dropped."""
-        future = self.waiting.pop((session_id, step), None)
-        if future is not None:
-            future.cancel()
+        self.waiting.pop((session_id, step), None)
 
     async def close(self) -> None:
         self.alive = False
@@ -176,6 +173,52 @@ class ReplicaLink:
         await asyncio.gather(*(task for task in (self.reader, self.prober) if task), return_exceptions=True)
 
 
+def _batch(requests: list[drafter_pb2.DrafterRequest]) -> drafter_pb2.DrafterRequest:
+    message = drafter_pb2.DrafterRequest()
+    message.batch.requests.extend(requests)  # NOTE: one copy; nested constructors would copy twice
+    return message
+
+
+def _step_pb(step: DraftStep) -> drafter_pb2.DrafterRequest:
+    """Set field by field: a nested constructor copies the inner message. No features (n-gram) leave the field
+    unset, which a drafter reads as empty."""
+    request = drafter_pb2.DrafterRequest()
+    message = request.step
+    message.session_id, message.step, message.root_token_id, message.position, message.tree_budget = (
+        step.session_id, step.step, step.root, step.position, step.budget)
+    message.committed_token_ids.extend(step.committed)
+    if step.features is not None:
+        message.features.CopyFrom(to_proto(step.features))
+    return request
+
+
+def _tree_from_pb(tree: common_pb2.DraftTree) -> DraftTree:
+    # NOTE: a slice turns a repeated field into a list in one call, which tuple() then copies at C speed
+    return DraftTree(tuple(tree.tokens[:]), tuple(tree.parents[:]), tuple(tree.depths[:]), tuple(tree.logprobs[:]))
+
+
+class _Round:
+    """The replies one `draft_all` waits for, by index: a ConnectionError where the stream ended first, None while
+    unanswered. One future for the round, done once every reply is in: a future per step would wake the loop once
+    per reply."""
+
+    def __init__(self) -> None:
+        self.replies: list[drafter_pb2.DrafterReply | ConnectionError | None] = []
+        self.left = 0
+        self.done = asyncio.get_running_loop().create_future()
+
+    def expect(self) -> int:
+        self.replies.append(None)
+        self.left += 1
+        return len(self.replies) - 1
+
+    def answer(self, index: int, reply: drafter_pb2.DrafterReply | ConnectionError) -> None:
+        self.replies[index] = reply
+        self.left -= 1
+        if not self.left and not self.done.done():
+            self.done.set_result(None)
+
+
 @dataclass
 class SessionDraftState:
     tokens: Callable[[], list[int]]  # the session's committed tokens (KV contents), read when re-seeding
@@ -185,13 +228,13 @@ class SessionDraftState:
 
 @dataclass
 class _Asked:
-    """A step's request in flight."""
+    """A step's request in flight: its reply goes to `index` of its round."""
 
     state: SessionDraftState
     link: ReplicaLink
     session_id: str
     step: int
-    future: asyncio.Future
+    index: int
 
 
 class DrafterPool:
@@ -362,18 +405,20 @@ class DrafterPool:
     async def draft_all(self, steps: Sequence[DraftStep]) -> list[DraftTree | None]:
         """The tree under each step's root, or None (no replica, timeout, error). Every request is sent before any
         is awaited, so each replica takes them in one message, and they share one deadline."""
-        asked = [self._ask(step) for step in steps]
-        futures = [ask.future for ask in asked if ask is not None]
+        waiting = _Round()
+        asked = [self._ask(step, waiting) for step in steps]
         try:
-            if futures:
-                await asyncio.wait(futures, timeout=self.timeout_s)
-            return [self._tree(ask) for ask in asked]
+            if waiting.left:
+                await asyncio.wait((waiting.done,), timeout=self.timeout_s)
+            trees = [self._tree(ask, waiting.replies) for ask in asked]
+            self._count_trees(waiting.replies)
+            return trees
         finally:
             for ask in asked:
-                if ask is not None and not ask.future.done():
+                if ask is not None and waiting.replies[ask.index] is None:
                     ask.link.forget(ask.session_id, ask.step)
 
-    def _ask(self, step: DraftStep) -> _Asked | None:
+    def _ask(self, step: DraftStep, waiting: _Round) -> _Asked | None:
         session_id = step.session_id
         self.add_features(session_id, step.features)
         state = self.sessions[session_id]
@@ -382,29 +427,34 @@ class DrafterPool:
                 return None
             step = step.after_seed()
         link = state.link
-        request = drafter_pb2.DrafterRequest(step=drafter_pb2.DrafterStep(
-            session_id=session_id, step=step.step, committed_token_ids=step.committed,
-            features=to_proto(step.features), root_token_id=step.root, position=step.position,
-            tree_budget=step.budget))
         try:
-            return _Asked(state, link, session_id, step.step, link.request(session_id, step.step, request))
+            index = link.request(session_id, step.step, _step_pb(step), waiting)
+            return _Asked(state, link, session_id, step.step, index)
         except asyncio.QueueFull:
             self._stalled(link)  # NOTE: the link stays recorded, so the next step re-seeds and counts it
             return None
 
-    def _tree(self, ask: _Asked | None) -> DraftTree | None:
+    def _tree(self, ask: _Asked | None, replies: list[drafter_pb2.DrafterReply | ConnectionError | None]
+              ) -> DraftTree | None:
         if ask is None:
             return None
-        if not ask.future.done():
+        reply = replies[ask.index]
+        if reply is None:
             self._stalled(ask.link)  # NOTE: the link stays recorded, so the next step re-seeds and counts it
             return None
-        if ask.future.exception() is not None:  # NOTE: the stream ended (ConnectionError)
+        if isinstance(reply, ConnectionError):  # NOTE: the stream ended
             return None
-        reply = ask.future.result()
         if reply.WhichOneof("kind") == "error":
             if reply.error.code == grpc.StatusCode.NOT_FOUND.value[0]:
                 ask.state.link = None
             return None
-        self._trees_from(reply.tree.replica_id).inc()
-        tree = reply.tree.tree
-        return DraftTree(tuple(tree.tokens), tuple(tree.parents), tuple(tree.depths), tuple(tree.logprobs))
+        return _tree_from_pb(reply.tree.tree)
+
+    def _count_trees(self, replies: list[drafter_pb2.DrafterReply | ConnectionError | None]) -> None:
+        """The round's trees per replica, one increment each (an increment takes a lock)."""
+        counts: dict[str, int] = {}
+        for reply in replies:
+            if isinstance(reply, drafter_pb2.DrafterReply) and reply.WhichOneof("kind") == "tree":
+                counts[reply.tree.replica_id] = counts.get(reply.tree.replica_id, 0) + 1
+        for replica_id, count in counts.items():
+            self._trees_from(replica_id).inc(count)
