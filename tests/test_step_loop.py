@@ -19,7 +19,7 @@ from verifier_service.errors import EngineDown, InvalidArgument
 from verifier_service.metrics import VerifierMetrics
 from verifier_service.service import VerifierService
 from verifier_service.step_loop import RUN_AHEAD, StepEvent, StepLoop
-from verifier_service.tree_budget import FixedBudget, StepCosts, bucket
+from verifier_service.tree_budget import FixedBudget, StepCosts
 from verifier_service.worker import EngineWorker
 
 PROMPT = list(b"one loop steps them all")
@@ -253,7 +253,11 @@ def test_plain_batches_decode_in_bursts_and_stay_exact(tiny_target) -> None:
 
 
 class BudgetChains:
-    """A drafter pool that answers each step with a chain of its budget's size, of a token the model seldom picks."""
+    """A drafter pool that answers each step with a chain of its budget's size: of the session's true continuation
+    where `truth` has it, else of a token the model seldom picks."""
+
+    def __init__(self, truth: dict[str, list[int]] | None = None):
+        self.truth = truth or {}
 
     def is_open(self, session_id: str) -> bool:
         return True
@@ -262,31 +266,50 @@ class BudgetChains:
         pass
 
     async def draft_all(self, steps: list[DraftStep]) -> list[DraftTree]:
-        return [DraftTree.chain([3] * step.budget) for step in steps]
+        trees = []
+        for step in steps:
+            truth = self.truth.get(step.session_id)
+            done = step.position + len(step.committed) - len(PROMPT)  # NOTE: tokens generated before the root
+            trees.append(DraftTree.chain(truth[done + 1:][:step.budget] if truth else [3] * step.budget))
+        return trees
 
 
-def test_a_drafting_session_keeps_the_plain_sessions_bursts_and_all_stay_exact(tiny_target) -> None:
-    """One session drafts every step while three decode plainly: each pass verifies the tree with all of them, then
-    the plain sessions go on in a burst; every output equals plain decoding."""
+def run_drafting_beside_plain(tiny_target, truthful: bool) -> list[list[StepEvent]]:
+    """PROMPT drafting (budget 5) beside three sessions decoding plainly, with bursts of 4: each one's events."""
     engine = make_engine(tiny_target, decode_burst_steps=4)
     prompts = [PROMPT, PROMPT[:9], PROMPT[3:], list(b"another prompt")]
+    expected = [plain_generate(engine, prompt) for prompt in prompts]
     sessions = [engine.create_session(prompt)[0] for prompt in prompts]
     for session in sessions:
         engine.start_generation(session.session_id, GREEDY)
     outputs: list = []
-    learnt: list = []
 
     async def consume(loop: StepLoop) -> None:
         outputs.extend(await asyncio.gather(*(read_all(loop, s, b) for s, b in zip(sessions, (5, 0, 0, 0)))))
-        learnt.extend(sizes for by_size in loop.costs.verify.rows.values() for sizes in by_size)
 
-    run_loop(engine, BudgetChains(), consume)
-    for prompt, events in zip(prompts, outputs):
-        assert [t for e in events for t in e.result.emitted] == plain_generate(engine, prompt)
-    drafting, *plain = outputs
-    assert all(e.drafted_nodes == 5 and len(e.result.emitted) <= 2 for e in drafting[1:])
-    assert all(max(len(e.result.emitted) for e in events) == 4 for events in plain)
-    assert {bucket(3), bucket(5 + 1 + 3)} <= set(learnt)  # a burst's forwards, and the tree step's
+    run_loop(engine, BudgetChains({sessions[0].session_id: expected[0]} if truthful else None), consume)
+    for want, events in zip(expected, outputs):
+        assert [t for e in events for t in e.result.emitted] == want
+    return outputs
+
+
+def test_a_batch_whose_drafts_fail_goes_on_in_a_burst_after_its_tree_step(tiny_target) -> None:
+    """A pass where one session drafts and no draft is accepted: the tree step's events go out, then the whole
+    batch, the drafting session too, decodes a burst of the remaining steps; every output stays exact."""
+    drafting, *plain = run_drafting_beside_plain(tiny_target, truthful=False)
+    tree_steps = drafting[1::2]
+    assert all(e.drafted_nodes == 5 and not e.result.accepted for e in tree_steps)
+    assert all(e.drafted_nodes == 0 and len(e.result.emitted) == 3 for e in drafting[2:-1:2])
+    assert all(max(len(e.result.emitted) for e in events) == 3 for events in plain)
+
+
+def test_a_batch_with_an_accepted_draft_holds_no_burst(tiny_target) -> None:
+    """A draft that pays keeps its session drafting every pass: no burst holds it back, so the plain sessions
+    beside it step one token a pass until it finishes."""
+    drafting, *plain = run_drafting_beside_plain(tiny_target, truthful=True)
+    assert all(e.drafted_nodes == 5 and e.result.accepted for e in drafting[1:-1])
+    passes = len(drafting)
+    assert all(len(e.result.emitted) == 1 for events in plain for e in events[:passes - 1])
 
 
 class HeldSink:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -118,6 +117,7 @@ class StepLoop:
         self.busy_since: float | None = None  # when the latest engine step ended, while sessions were stepping
         self.streaming = False  # events went out and the loop has not had a turn since (their readers have work)
         self.deliveries = 0  # batches whose events went out
+        self.last_call_seconds = 0.0  # the latest engine call's wall time
         self.down_reason: str | None = None
         self.task: asyncio.Task | None = None
 
@@ -276,33 +276,77 @@ class StepLoop:
         return batches
 
     async def _verify(self, batch: list[_Planned], started: float, drafted: float) -> None:
-        steps = [(plan.stepper.session_id, plan.tree or DraftTree.empty()) for plan in batch]
-        # NOTE: a session's first step stays one step: it is the request's first token
-        plain = [plan.stepper.session_id for plan in batch if plan.tree is None and plan.stepper.cursor.step]
+        """The batch's step, and its burst of plain steps where it has one. A batch that only decodes plainly
+        past its first steps is one burst (Engine.decode). Otherwise the tree step runs first, and its events go out
+        (a joining session's first token must not wait for a burst); when the batch has a plain session and none of
+        its drafts was accepted, everyone then goes on in a burst: the burst would only hold back sessions whose
+        drafts pay."""
         wanted = self.engine.config.decode_burst_steps if self.engine.decode_bursts else 1
-        # NOTE: inline only when the loop has had a turn since the last events went out (a draft round, or idling):
-        # otherwise their readers and the stream writers run beside the GPU, the step on the engine thread
-        call: Callable = self.worker.call if self.streaming else self.worker.step_call
-        step_started = time.perf_counter()
+        plain = [plan for plan in batch if plan.tree is None and plan.stepper.cursor.step]
+        if wanted > 1 and len(plain) == len(batch):
+            if await self._burst(batch, wanted, started, drafted):
+                return
+            wanted = 1  # NOTE: the KV cannot hold the burst: one step
+        results = await self._step(batch, started, drafted)
+        if wanted > 1 and plain and results and not any(result.accepted for result in results):
+            going_on = [plan for plan in batch
+                        if self.steppers.get(plan.stepper.session_id) is plan.stepper and plan.stepper.sink.has_room()]
+            if going_on:
+                await self._burst([_Planned(plan.stepper, 0) for plan in going_on], wanted - 1, started, drafted)
+
+    async def _step(self, batch: list[_Planned], started: float, drafted: float) -> list[StepResult]:
+        """The batch's verify step (a plain session's is its one row); its results, none when it failed."""
+        steps = [(plan.stepper.session_id, plan.tree or DraftTree.empty()) for plan in batch]
         try:
-            ran = await call(run_batch, self.engine, steps, plain, wanted)
+            results = await self._engine_call(self.engine.step, steps)
         except Exception as error:  # noqa: BLE001 - handed to the generation at fault
             if self.down_reason is not None:
-                return
+                return []
             if len(batch) == 1:
                 self._drop(batch[0].stepper)
                 batch[0].stepper.fail(error)
-                return
+                return []
             # NOTE: the engine validates and reserves pages before it runs anything, so a failed batch changed
             # nothing; stepping the sessions one by one isolates the one at fault.
             for plan in batch:
-                await self._verify([plan], started, drafted)
-            return
+                await self._step([plan], started, drafted)
+            return []
+        self._observe_batch(steps, results, self.last_call_seconds)
+        self._deliver_all(batch, results, started, drafted)
+        return results
+
+    async def _burst(self, batch: list[_Planned], wanted: int, started: float, drafted: float) -> bool:
+        """Up to `wanted` plain steps of the batch in one engine call; False when none ran (the KV cannot hold
+        it, or the engine refused it: the sessions then go on step by step, where a fault is isolated)."""
+        session_ids = [plan.stepper.session_id for plan in batch]
+        steps = self.engine.burst_length(session_ids, wanted)
+        try:
+            results = await self._engine_call(self.engine.decode, session_ids, steps)
+        except Exception as error:  # noqa: BLE001 - a burst is an optimisation: its refusal fails no one
+            if self.down_reason is None and not isinstance(error, CapacityError):
+                log.warning("a decode burst was refused: %s", error)
+            return False
+        self._observe_batch([(session_id, DraftTree.empty()) for session_id in session_ids], results,
+                            self.last_call_seconds / steps)
+        self._deliver_all(batch, results, started, drafted)
+        return True
+
+    async def _engine_call(self, fn: Callable[..., list[StepResult]], *args) -> list[StepResult]:
+        """fn(*args) on the engine; `last_call_seconds` its wall time. NOTE: inline only when the loop has had a
+        turn since the last events went out (a draft round, or idling): otherwise their readers and the stream
+        writers run beside the GPU, the step on the engine thread."""
+        call: Callable = self.worker.call if self.streaming else self.worker.step_call
+        step_started = time.perf_counter()
+        results = await call(fn, *args)
         ended = time.perf_counter()
-        gap = None if self.busy_since is None else step_started - self.busy_since
-        self.busy_since = ended
-        self._observe_batch(steps, ran, gap)
-        for plan, result in zip(batch, ran.results):
+        if self.busy_since is not None:
+            self.metrics.step_gap_seconds.observe(step_started - self.busy_since)
+        self.busy_since, self.last_call_seconds = ended, ended - step_started
+        return results
+
+    def _deliver_all(self, batch: list[_Planned], results: list[StepResult], started: float, drafted: float) -> None:
+        ended = time.perf_counter()
+        for plan, result in zip(batch, results):
             self._deliver(plan, result, started, drafted, ended)
         self.deliveries += 1
         self.streaming = True
@@ -343,69 +387,18 @@ class StepLoop:
         stepper.cursor.advance(result.committed, result.features, result.commit_start, drafted=budget > 0)
         return event
 
-    def _observe_batch(self, steps: list[tuple[str, DraftTree]], ran: BatchRun, gap: float | None) -> None:
+    def _observe_batch(self, steps: list[tuple[str, DraftTree]], results: list[StepResult], seconds: float) -> None:
         """A verify batch's metrics and costs, once per batch: per session they cost the loop ~20% of a plain
-        session-step (benchmarks/results/verifier_loop.md). Each engine forward's time goes to the costs of its
-        own shape: a tree step's, and a burst's per plain step."""
+        session-step (benchmarks/results/verifier_loop.md). `seconds`: per forward (a burst runs several)."""
         metrics = self.metrics
         metrics.batch_sessions.observe(len(steps))
-        forwards = (ran.step_seconds is not None) + ran.burst
-        metrics.batch_seconds.observe(((ran.step_seconds or 0.0) + ran.burst_seconds) / forwards)
-        if gap is not None:
-            metrics.step_gap_seconds.observe(gap)
+        metrics.batch_seconds.observe(seconds)
         metrics.steps.inc(len(steps))
         metrics.drafted.inc(sum(len(tree) for _, tree in steps))
-        metrics.accepted.inc(sum(len(result.accepted) for result in ran.results))
-        for result in ran.results:
+        metrics.accepted.inc(sum(len(result.accepted) for result in results))
+        for result in results:
             metrics.acceptance.observe(result.acceptance_length)
+        shape = BatchShape(len(steps), sum(len(tree) + 1 for _, tree in steps))
         sessions = [self.engine.sessions.get(session_id) for session_id, _ in steps]
         context = sum(session.kv_len for session in sessions if session) // len(steps)
-        if ran.burst:
-            self.costs.observe_batch(BatchShape(ran.burst_sessions, ran.burst_sessions), context,
-                                     ran.burst_seconds / ran.burst)
-        if ran.step_seconds is not None:  # NOTE: last: the costs keep the batch's shape as the last one observed
-            self.costs.observe_batch(BatchShape(len(steps), sum(len(tree) + 1 for _, tree in steps)), context,
-                                     ran.step_seconds)
-
-
-@dataclass
-class BatchRun:
-    """What one engine call of a batch ran: a result per session (a burst's tokens in its session's result), the
-    tree step's wall time (None when the call was a burst alone), and the burst's steps, time and sessions."""
-
-    results: list[StepResult]
-    step_seconds: float | None = None
-    burst: int = 0
-    burst_seconds: float = 0.0
-    burst_sessions: int = 0
-
-
-def run_batch(engine: Engine, steps: list[tuple[str, DraftTree]], plain: list[str], wanted: int) -> BatchRun:
-    """On the engine thread: the batch's step, and for the sessions in `plain` (decoding plainly, past their first
-    step) `wanted` plain steps in all, in one burst (Engine.decode). A batch that only decodes plainly is one
-    burst; one where some sessions draft takes their step first with everyone, then the plain sessions' burst, so
-    a few drafting sessions do not cost the others theirs. A burst the KV cannot hold is left out: the step alone
-    still runs."""
-    if plain and len(plain) == len(steps) and wanted > 1:
-        burst = engine.burst_length(plain, wanted)
-        with contextlib.suppress(CapacityError):
-            started = time.perf_counter()
-            results = engine.decode(plain, burst)
-            return BatchRun(results, None, burst, time.perf_counter() - started, len(plain))
-    started = time.perf_counter()
-    results = engine.step(steps)
-    ran = BatchRun(results, time.perf_counter() - started)
-    finished = {result.session_id for result in results if result.finished}
-    live = [session_id for session_id in plain if session_id not in finished]
-    if wanted == 1 or not live:
-        return ran
-    burst = engine.burst_length(live, wanted - 1)
-    started = time.perf_counter()
-    try:
-        more = {result.session_id: result for result in engine.decode(live, burst)}
-    except CapacityError:
-        return ran
-    ran.burst, ran.burst_seconds, ran.burst_sessions = burst, time.perf_counter() - started, len(live)
-    ran.results = [result.then(more[result.session_id]) if result.session_id in more else result
-                   for result in results]
-    return ran
+        self.costs.observe_batch(shape, context, seconds)

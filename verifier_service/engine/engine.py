@@ -63,12 +63,6 @@ class StepResult:
         """Tokens this verify step produced: accepted drafts plus the target's own next token."""
         return len(self.accepted) + 1
 
-    def then(self, later: StepResult) -> StepResult:
-        """This step followed by `later` (a burst of plain steps right after it), as one result."""
-        features = None if self.features is None else torch.cat([self.features, later.features])
-        return dataclasses.replace(self, emitted=self.emitted + later.emitted, features=features,
-                                   committed=self.committed + later.committed, finished=later.finished)
-
 
 class Engine:
     def __init__(self, model: CausalLM, config: EngineConfig, tokenizer: Tokenizer | None = None):
