@@ -40,6 +40,23 @@ def plain_generate(engine: Engine, prompt: list[int], params: SamplingParams = G
     return tokens
 
 
+def burst_to_end(engine: Engine, session_ids: list[str], steps: int) -> dict[str, list[StepResult]]:
+    """Decode the sessions in bursts of up to `steps` plain steps, dropping each as it finishes, as the step loop
+    does; each session's results."""
+    results: dict[str, list[StepResult]] = {sid: [] for sid in session_ids}
+    live = list(session_ids)
+    while live:
+        for result in engine.decode(live, engine.burst_length(live, steps)):
+            results[result.session_id].append(result)
+            if result.finished:
+                live.remove(result.session_id)
+    return results
+
+
+def emitted_of(results: list[StepResult]) -> list[int]:
+    return [token for result in results for token in result.emitted]
+
+
 def random_tree(rng: random.Random, budget: int, vocab: int, truth: list[int], shape: str) -> DraftTree:
     """A random tree of `budget` nodes that may contain a prefix of the true continuation."""
     planted = truth[: rng.randrange(0, min(len(truth), budget, 6) + 1)]

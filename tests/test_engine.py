@@ -10,7 +10,15 @@ import torch
 from ddtree_kernels.reference import gather_prefix
 from modeling.graph_capture import buckets
 from modeling.tree import DraftTree, TreeError
-from tests.engine_helpers import GREEDY, make_engine, plain_generate, random_tree, run_to_end
+from tests.engine_helpers import (
+    GREEDY,
+    burst_to_end,
+    emitted_of,
+    make_engine,
+    plain_generate,
+    random_tree,
+    run_to_end,
+)
 from verifier_service.engine.cuda_graphs import Buckets, spread
 from verifier_service.engine.sampling import SamplingParams
 from verifier_service.engine.stopping import StopReason
@@ -295,23 +303,6 @@ def test_step_returns_features_of_committed_tokens(new_engine) -> None:
     assert result.committed == [prompt[-1], *expected[:3]] and result.features.shape == (4, 128)
     _, whole = engine.create_session(prompt + expected[:4], feature_tail=4)
     torch.testing.assert_close(result.features, whole, atol=new_engine.kv_atol, rtol=1e-3)
-
-
-def burst_to_end(engine, session_ids: list[str], steps: int) -> dict[str, list]:
-    """Decode the sessions in bursts of up to `steps` plain steps, dropping each as it finishes, as the step loop
-    does; each session's results."""
-    results: dict[str, list] = {sid: [] for sid in session_ids}
-    live = list(session_ids)
-    while live:
-        for result in engine.decode(live, engine.burst_length(live, steps)):
-            results[result.session_id].append(result)
-            if result.finished:
-                live.remove(result.session_id)
-    return results
-
-
-def emitted_of(results: list) -> list[int]:
-    return [token for result in results for token in result.emitted]
 
 
 def test_decode_bursts_equal_single_steps_and_stop_where_they_do(new_engine) -> None:

@@ -20,7 +20,7 @@ from modeling.checkpoint import load_causal_lm
 from modeling.config import ModelConfig
 from modeling.tiny import TINY_CONFIGS, make_tiny_drafter, make_tiny_target
 from modeling.tree import DraftTree
-from tests.engine_helpers import CausalAttention, make_engine, plain_generate, run_to_end
+from tests.engine_helpers import CausalAttention, burst_to_end, emitted_of, make_engine, plain_generate, run_to_end
 from verifier_service.engine.config import resolve_attention
 from verifier_service.engine.kv_cache import KVCache
 from verifier_service.engine.sampling import SamplingParams
@@ -84,6 +84,17 @@ def test_plain_decoding_equals_the_model_run_causally(mla_target) -> None:
             hidden, _ = model(torch.tensor(ids), torch.arange(len(ids)), CausalAttention(model.config))
             ids.append(int(model.logits(hidden[-1:]).argmax()))
     assert got == ids[len(prompt):]
+    assert decoded_in_bursts(engine, prompt, SamplingParams(max_new_tokens=12, ignore_eos=True)) == got
+
+
+def decoded_in_bursts(engine, prompt: list[int], params: SamplingParams) -> list[int]:
+    """The first step alone, then plain steps in bursts of 5 (Engine.decode), as the step loop runs them."""
+    session, _ = engine.create_session(prompt)
+    engine.start_generation(session.session_id, params)
+    (first,) = engine.step([(session.session_id, DraftTree.empty())])
+    tokens = first.emitted + emitted_of(burst_to_end(engine, [session.session_id], 5)[session.session_id])
+    engine.release_session(session.session_id)
+    return tokens
 
 
 @pytest.mark.parametrize("page_size", [16, 64])
@@ -190,6 +201,8 @@ def test_mla_on_the_gpu_with_the_kernels(mla_target, mla_dflash, dtype: str, cud
         result = generate_offline(engine, drafter, prompt, PARAMS, tree_budget=15)
         diverged = next((i for i, (a, b) in enumerate(zip(result.token_ids, plain.token_ids)) if a != b), None)
         assert diverged is None if dtype == "float32" else diverged is None or diverged >= 8
+    if dtype == "float32":  # decode bursts feed their tokens on the device, graphed or eager
+        assert decoded_in_bursts(engine, prompt, PARAMS) == plain.token_ids
     assert engine.pool.num_free == engine.pool.num_pages
     if dtype == "float32":  # the kernels against the torch backend on the same GPU
         reference = make_engine(mla_target, device="cuda", dtype=dtype, attention="torch")
