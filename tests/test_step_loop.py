@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from dataclasses import dataclass, field
 
 from modeling.speculation import DraftStep
@@ -48,6 +49,8 @@ class FakeEngine:
     threads: list[int] = field(default_factory=list)
     failing: str | None = None  # a session whose every step the engine refuses
     decode_bursts: bool = False
+    step_seconds: float = 0.0  # how long each step keeps the engine (the GPU) busy
+    spans: list[tuple[float, float]] = field(default_factory=list)  # each step's (start, end)
 
     def __post_init__(self) -> None:
         self.sessions = {sid: FakeSession(sid) for sid in self.lengths}
@@ -58,6 +61,9 @@ class FakeEngine:
             raise InvalidArgument(f"session {self.failing}: refused")
         self.batches.append([sid for sid, _ in work])
         self.threads.append(threading.get_ident())
+        started = time.perf_counter()
+        time.sleep(self.step_seconds)
+        self.spans.append((started, time.perf_counter()))
         results = []
         for sid, _ in work:
             self.done[sid] += 1
@@ -83,13 +89,13 @@ class ChainDrafters:
         return [DraftTree.chain([3] * self.sizes[step.session_id]) for step in steps]
 
 
-def run_loop(engine: FakeEngine, drafters: ChainDrafters | None, consume) -> VerifierMetrics:
+def run_loop(engine: FakeEngine, drafters: ChainDrafters | None, consume, cohorts: int = 1) -> VerifierMetrics:
     """Start a loop over `engine`, run `consume(loop)`, stop the loop; returns its metrics."""
     metrics = VerifierMetrics()
 
     async def main() -> None:
         worker = EngineWorker()
-        loop = StepLoop(engine, worker, drafters, metrics, StepCosts())
+        loop = StepLoop(engine, worker, drafters, metrics, StepCosts(), cohorts)
         loop.start()
         try:
             await consume(loop)
@@ -118,6 +124,36 @@ def test_every_stepping_session_is_in_every_step_and_drafts_in_one_round() -> No
     run_loop(engine, drafters, consume)
     assert engine.batches == [sorted(engine.lengths)] * 5
     assert drafters.rounds == [sorted(engine.lengths)] * 4
+
+
+class SlowDrafters(ChainDrafters):
+    """Each round takes `seconds` (a drafter process at work); records its (start, end)."""
+
+    def __init__(self, sizes: dict[str, int], seconds: float):
+        super().__init__(sizes)
+        self.seconds, self.spans = seconds, []
+
+    async def draft_all(self, steps: list[DraftStep]) -> list[DraftTree]:
+        started = time.perf_counter()
+        await asyncio.sleep(self.seconds)
+        self.spans.append((started, time.perf_counter()))
+        return await super().draft_all(steps)
+
+
+def test_cohorts_step_in_turn_and_one_drafts_while_another_steps() -> None:
+    """Two cohorts: each engine step holds one cohort's sessions (each joined the smaller cohort), every session
+    steps to its end, and draft rounds run while the other cohort's steps keep the engine busy."""
+    engine = FakeEngine({f"s{i}": 6 for i in range(4)}, step_seconds=0.02)
+    drafters = SlowDrafters(dict.fromkeys(engine.lengths, 3), seconds=0.02)
+
+    async def consume(loop: StepLoop) -> None:
+        events = await asyncio.gather(*(read_all(loop, session) for session in engine.sessions.values()))
+        assert [len(e) for e in events] == [6] * 4
+
+    run_loop(engine, drafters, consume, cohorts=2)
+    assert {tuple(batch) for batch in engine.batches} == {("s0", "s2"), ("s1", "s3")}
+    overlapping = [(d, e) for d in drafters.spans for e in engine.spans if d[0] < e[1] - 0.005 and e[0] < d[1] - 0.005]
+    assert len(overlapping) >= len(drafters.spans) // 2
 
 
 def test_an_overload_is_split_over_engine_steps_in_joining_order() -> None:
@@ -274,8 +310,9 @@ class BudgetChains:
         return trees
 
 
-def run_drafting_beside_plain(tiny_target, truthful: bool) -> list[list[StepEvent]]:
-    """PROMPT drafting (budget 5) beside three sessions decoding plainly, with bursts of 4: each one's events."""
+def run_drafting_beside_plain(tiny_target, truthful: bool, cohorts: int = 1) -> list[list[StepEvent]]:
+    """PROMPT drafting (budget 5) beside three sessions decoding plainly, with bursts of 4: each one's events, each
+    output checked against plain decoding."""
     engine = make_engine(tiny_target, decode_burst_steps=4)
     prompts = [PROMPT, PROMPT[:9], PROMPT[3:], list(b"another prompt")]
     expected = [plain_generate(engine, prompt) for prompt in prompts]
@@ -287,7 +324,7 @@ def run_drafting_beside_plain(tiny_target, truthful: bool) -> list[list[StepEven
     async def consume(loop: StepLoop) -> None:
         outputs.extend(await asyncio.gather(*(read_all(loop, s, b) for s, b in zip(sessions, (5, 0, 0, 0)))))
 
-    run_loop(engine, BudgetChains({sessions[0].session_id: expected[0]} if truthful else None), consume)
+    run_loop(engine, BudgetChains({sessions[0].session_id: expected[0]} if truthful else None), consume, cohorts)
     for want, events in zip(expected, outputs):
         assert [t for e in events for t in e.result.emitted] == want
     return outputs
@@ -301,6 +338,11 @@ def test_a_batch_whose_drafts_fail_goes_on_in_a_burst_after_its_tree_step(tiny_t
     assert all(e.drafted_nodes == 5 and not e.result.accepted for e in tree_steps)
     assert all(e.drafted_nodes == 0 and len(e.result.emitted) == 3 for e in drafting[2:-1:2])
     assert all(max(len(e.result.emitted) for e in events) == 3 for events in plain)
+
+
+def test_generations_in_two_cohorts_stay_exact(tiny_target) -> None:
+    for truthful in (False, True):
+        run_drafting_beside_plain(tiny_target, truthful, cohorts=2)
 
 
 def test_a_batch_with_an_accepted_draft_holds_no_burst(tiny_target) -> None:

@@ -54,6 +54,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="rows (tree nodes + roots) of one verify step; steps beyond it wait for the next")
     parser.add_argument("--max-batch-sessions", type=int, default=256,
                         help="sessions in one verify step; more wait for the next")
+    parser.add_argument("--step-cohorts", type=int, default=1,
+                        help="groups of generations that step in turn, each with its own passes: while one group's "
+                             "step is on the GPU the next group's drafts are out (with many drafting sessions the "
+                             "draft round otherwise leaves the GPU idle)")
     parser.add_argument("--decode-burst-steps", type=int, default=4,
                         help="plain decoding steps per engine call when every session of a batch decodes plainly: "
                              "the host's work per call serves this many tokens (throughput at many sessions), which "
@@ -123,7 +127,8 @@ async def serve(args: argparse.Namespace) -> None:
         drafters = DrafterPool(args.drafters, metrics, args.draft_timeout_s, channel_options=channel_options(),
                                auth=auth)
     service = VerifierService(engine, drafters, metrics, tree_budget=args.tree_budget, inline_steps=group is None,
-                              lease_s=args.session_lease_s, budget_policy=args.budget_policy)
+                              lease_s=args.session_lease_s, budget_policy=args.budget_policy,
+                              step_cohorts=args.step_cohorts)
 
     server = ServiceServer(SERVICE_NAME, verifier_pb2_grpc.add_VerifierServicer_to_server,
                            VerifierServicer(service, Path(args.target).name), args.listen, server_options(), auth)

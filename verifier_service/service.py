@@ -63,9 +63,10 @@ def _log_warm_up(warming: asyncio.Future) -> None:
 class VerifierService:
     def __init__(self, engine: Engine, drafters: DrafterPool | None, metrics: VerifierMetrics,
                  tree_budget: int = 15, inline_steps: bool = True, lease_s: float = DEFAULT_LEASE_S,
-                 budget_policy: BudgetPolicyName = "fixed"):
+                 budget_policy: BudgetPolicyName = "fixed", step_cohorts: int = 1):
         """tree_budget: the largest budget of a step; budget_policy: verifier_service/tree_budget.py.
-        inline_steps: see EngineWorker (off for a tensor-parallel group). lease_s: see SessionLeases."""
+        inline_steps: see EngineWorker (off for a tensor-parallel group). lease_s: see SessionLeases. step_cohorts:
+        see StepLoop."""
         self.engine, self.drafters, self.metrics, self.tree_budget = engine, drafters, metrics, tree_budget
         self.budget_policy = budget_policy
         self.step_costs = StepCosts()  # NOTE: shared: every session's steps measure the same engine
@@ -77,7 +78,7 @@ class VerifierService:
         self.background: set[asyncio.Task] = set()  # aborted prefills, releases of sessions whose caller went away
         self.reaper: asyncio.Task | None = None
         metrics.watch(engine, self.generating)
-        self.loop = StepLoop(engine, self.worker, drafters, metrics, self.step_costs)
+        self.loop = StepLoop(engine, self.worker, drafters, metrics, self.step_costs, step_cohorts)
         self.down_reason: str | None = None  # set once the engine is down: every engine call fails with it
         self.down_signal: asyncio.Future | None = None  # done once the engine is down; what engine calls race
         self.warming: asyncio.Future | None = None

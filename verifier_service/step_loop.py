@@ -7,7 +7,10 @@ the drafts are out steps in the same pass: its first step needs no draft) and le
 
 A pass's host work runs beside the GPU: a step whose events have not been streamed yet runs on the engine thread
 while the loop streams them, and the drafters' round trip leaves the loop to the streams too. A generation whose
-sink is full (its reader is behind) sits passes out until the sink has room, rather than letting steps pile up."""
+sink is full (its reader is behind) sits passes out until the sink has room, rather than letting steps pile up.
+
+With several cohorts (`--step-cohorts`), each cohort's generations have passes of their own, in turn: one cohort's
+drafts are out while another's step runs, so neither the GPU nor the drafters wait for the other."""
 
 from __future__ import annotations
 
@@ -82,8 +85,8 @@ class Stepper:
     """One generation in the loop: its session, where its drafting stands, its budget policy, its sink, and `done`
     (set once its last step is delivered, or to its error)."""
 
-    def __init__(self, session: Session, budgets: BudgetPolicy, sink: StepSink):
-        self.session, self.budgets, self.sink = session, budgets, sink
+    def __init__(self, session: Session, budgets: BudgetPolicy, sink: StepSink, cohort: int = 0):
+        self.session, self.budgets, self.sink, self.cohort = session, budgets, sink, cohort
         self.session_id = session.session_id
         self.cursor = StepCursor(session.session_id, session.kv_len)
         self.done = asyncio.get_running_loop().create_future()
@@ -110,25 +113,31 @@ class _Planned:
 
 class StepLoop:
     def __init__(self, engine: Engine, worker: EngineWorker, drafters: DrafterPool | None,
-                 metrics: VerifierMetrics, costs: StepCosts):
+                 metrics: VerifierMetrics, costs: StepCosts, cohorts: int = 1):
+        """cohorts: groups of generations that step in turn, each with passes of its own: while one cohort's
+        step is on the GPU, the next one's drafts are out (a pass otherwise waits for its draft round with the GPU
+        idle). Each generation joins the smallest cohort."""
+        if cohorts < 1:
+            raise ValueError(f"cohorts must be >= 1, got {cohorts}")
         self.engine, self.worker, self.drafters, self.metrics, self.costs = engine, worker, drafters, metrics, costs
         self.steppers: dict[str, Stepper] = {}  # in joining order: the longest-stepping first in a split pass
-        self.wakeup = asyncio.Event()
+        self.wakeups = [asyncio.Event() for _ in range(cohorts)]
         self.busy_since: float | None = None  # when the latest engine step ended, while sessions were stepping
         self.streaming = False  # events went out and the loop has not had a turn since (their readers have work)
         self.deliveries = 0  # batches whose events went out
         self.last_call_seconds = 0.0  # the latest engine call's wall time
         self.down_reason: str | None = None
-        self.task: asyncio.Task | None = None
+        self.tasks: list[asyncio.Task] = []
 
     def start(self) -> None:
-        self.task = asyncio.create_task(self._run(), name="step-loop")
+        self.tasks = [asyncio.create_task(self._run(cohort), name=f"step-loop-{cohort}")
+                      for cohort in range(len(self.wakeups))]
 
     async def stop(self) -> None:
         """No generation waits on a loop that is gone: those still stepping fail with EngineDown (UNAVAILABLE)."""
-        if self.task:
-            self.task.cancel()
-            await asyncio.gather(self.task, return_exceptions=True)
+        for task in self.tasks:
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
         self.fail("the verifier is stopping")
 
     def fail(self, reason: str) -> None:
@@ -141,7 +150,8 @@ class StepLoop:
 
     def wake(self) -> None:
         """A sink has room again: a loop that idles for want of ready generations looks again."""
-        self.wakeup.set()
+        for wakeup in self.wakeups:
+            wakeup.set()
 
     async def run(self, session: Session, budgets: BudgetPolicy, sink: StepSink) -> None:
         """Step the session until a stop, each step's event put into `sink` by the loop itself (no task of the
@@ -173,7 +183,8 @@ class StepLoop:
     def _join(self, session: Session, budgets: BudgetPolicy, sink: StepSink) -> Stepper:
         if self.down_reason is not None:
             raise EngineDown(self.down_reason)
-        stepper = Stepper(session, budgets, sink)
+        sizes = collections.Counter(stepper.cohort for stepper in self.steppers.values())
+        stepper = Stepper(session, budgets, sink, min(range(len(self.wakeups)), key=sizes.__getitem__))
         self.steppers[stepper.session_id] = stepper
         self.wake()
         return stepper
@@ -191,16 +202,20 @@ class StepLoop:
         if self.steppers.get(stepper.session_id) is stepper:
             del self.steppers[stepper.session_id]
 
-    def _ready(self) -> list[Stepper]:
-        return [stepper for stepper in self.steppers.values() if stepper.sink.has_room()]
+    def _ready(self, cohort: int | None = None) -> list[Stepper]:
+        """The generations (of `cohort`, or all) whose sinks have room."""
+        return [stepper for stepper in self.steppers.values()
+                if stepper.sink.has_room() and cohort in (None, stepper.cohort)]
 
-    async def _run(self) -> None:
+    async def _run(self, cohort: int) -> None:
+        wakeup = self.wakeups[cohort]
         while True:
-            steppers = self._ready()
+            steppers = self._ready(cohort)
             if not steppers or self.down_reason is not None:
-                self.busy_since = None  # NOTE: an idle engine is no host overhead
-                self.wakeup.clear()
-                await self.wakeup.wait()
+                if not self._ready():
+                    self.busy_since = None  # NOTE: an idle engine is no host overhead
+                wakeup.clear()
+                await wakeup.wait()
                 continue
             try:
                 await self._pass(steppers)
@@ -222,7 +237,7 @@ class StepLoop:
         # NOTE: a generation that left while the drafts were out must not step (its session is being released); one
         # that joined meanwhile steps now, since its first step needs no draft
         plans = [plan for plan in plans if self.steppers.get(plan.stepper.session_id) is plan.stepper]
-        plans += [_Planned(stepper, 0) for stepper in self._ready()
+        plans += [_Planned(stepper, 0) for stepper in self._ready(steppers[0].cohort)
                   if stepper.session_id not in planned and stepper.cursor.step == 0]
         for batch in self._batches(plans):
             await self._verify(batch, started, drafted)
