@@ -3,8 +3,9 @@
 
 The costs follow what the H200 runs of benchmarks/throughput.py measured (Qwen3-0.6B shape, 1k context): a step
 pays a fixed part, a part per session, more per session that verifies a tree (its host work), and a little per
-row; drafts overlap each other. Trees are what the n-gram drafter sends for periodic text: a chain the text may
-follow, then branches it never does (best-first, so a smaller budget's tree is a prefix).
+row; drafts overlap each other, and a pass that drafts at all waits for one draft round. Trees are what the n-gram
+drafter sends for periodic text: a chain the text may follow, then branches it never does (best-first, so a smaller
+budget's tree is a prefix).
 """
 
 from __future__ import annotations
@@ -36,12 +37,14 @@ CHAIN = 14  # the deepest chain the drafter proposes
 @dataclass(frozen=True)
 class Engine:
     """Seconds of a verify step: `fixed`, plus `per_session` for each session and `per_tree` more for each that
-    verifies a tree, plus `per_row` for each row."""
+    verifies a tree, plus `per_row` for each row; a pass that drafts waits `round_s` for its draft round first."""
 
     fixed: float = 0.0012
     per_session: float = 0.0002
     per_tree: float = 0.001
     per_row: float = 0.000005
+    round_s: float = DRAFT_S
+    burst: int = 1  # plain steps per pass (verifier --decode-burst-steps)
 
     def step_s(self, sessions: int, trees: int, rows: int) -> float:
         return self.fixed + self.per_session * sessions + self.per_tree * trees + self.per_row * rows
@@ -49,6 +52,9 @@ class Engine:
 
 HOST_BOUND = Engine()  # as measured through the services: a session with a tree costs ~1 ms of host work
 GPU_BOUND = Engine(per_tree=0.00005, per_row=0.00002)  # the engine step alone: trees cost their rows
+# NOTE: the step loop on the H200, Qwen3-8B shape, 64 sessions (throughput_decode_bursts.md): 8.5 ms a plain forward,
+# ~23 us a tree row, a pass that drafts waits ~5 ms for its draft round with the GPU idle, plain steps in bursts of 4
+ROUND_BOUND = Engine(fixed=0.0035, per_session=0.00008, per_tree=0.0, per_row=0.000023, round_s=0.005, burst=4)
 
 
 @dataclass(frozen=True)
@@ -76,26 +82,44 @@ def adaptive_sessions(max_budget: int = 63) -> Callable[[StepCosts], BudgetPolic
 def tokens_per_s(new_policy: Callable[[StepCosts], BudgetPolicy], sessions: int, workload: Workload,
                  engine: Engine = HOST_BOUND, tokens: int = 128, generations: int = 4) -> float:
     """Every session runs `generations` generations of `tokens` tokens back to back (a new policy each, as a
-    one-shot request gets); all sessions step together. Tokens per simulated second."""
+    one-shot request gets; the first generations are shorter, so that the sessions' generations start at different
+    passes, as requests arrive); all sessions step together, in passes as the step loop runs them: the tree step, then
+    with `engine.burst` > 1 a burst of plain steps when no draft was accepted. Tokens per simulated second."""
     costs = StepCosts()
     policies = [new_policy(costs) for _ in range(sessions)]
     made, finished, elapsed, total = [0] * sessions, [0] * sessions, 0.0, 0
+    lengths = [tokens - i * tokens // (2 * sessions) for i in range(sessions)]
+
+    def emit(i: int, count: int) -> None:
+        nonlocal total
+        made[i] += count
+        total += count
+        if made[i] >= lengths[i]:
+            made[i], finished[i], policies[i], lengths[i] = 0, finished[i] + 1, new_policy(costs), tokens
+
     while min(finished) < generations:
         budgets = [policy.choose(CONTEXT) for policy in policies]
         trees = [draft(budget) for budget in budgets]
         batch = BatchShape(sessions, sum(len(tree) + 1 for tree in trees))
         verify = engine.step_s(sessions, sum(1 for tree in trees if len(tree)), batch.rows)
-        elapsed += verify + (DRAFT_S if any(budgets) else 0.0)
+        elapsed += verify + (engine.round_s if any(budgets) else 0.0)
         costs.observe_batch(batch, CONTEXT, verify)
+        accepted_any = False
         for i, (policy, budget, tree) in enumerate(zip(policies, budgets, trees)):
             if budget:
-                costs.observe_draft(budget, CONTEXT, DRAFT_S)
+                costs.observe_draft(budget, CONTEXT, engine.round_s)
             accepted = 0 if made[i] < workload.warmup else min(workload.accept, budget, CHAIN)
+            accepted_any |= accepted > 0
             policy.observe(budget, tree, list(range(accepted)))  # the chain's first nodes
-            made[i] += 1 + accepted
-            total += 1 + accepted
-            if made[i] >= tokens:
-                made[i], finished[i], policies[i] = 0, finished[i] + 1, new_policy(costs)
+            emit(i, 1 + accepted)
+        if engine.burst > 1 and not accepted_any and not all(budgets):
+            plain = engine.step_s(sessions, 0, sessions)
+            costs.observe_batch(BatchShape(sessions, sessions), CONTEXT, plain)
+            for _ in range(engine.burst - 1):
+                elapsed += plain
+                for i, policy in enumerate(policies):
+                    policy.observe(0, None, [])
+                    emit(i, 1)
     return total / elapsed
 
 
@@ -110,7 +134,7 @@ def main() -> None:
     parser.add_argument("--out-dir", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()
     rows = []
-    for name, engine in (("host-bound", HOST_BOUND), ("gpu-bound", GPU_BOUND)):
+    for name, engine in (("host-bound", HOST_BOUND), ("gpu-bound", GPU_BOUND), ("round-bound", ROUND_BOUND)):
         for workload in WORKLOADS:
             for sessions in args.sessions:
                 fixed = {b: tokens_per_s(lambda _, b=b: FixedBudget(b), sessions, workload, engine) for b in FIXED}
@@ -122,8 +146,9 @@ def main() -> None:
     command = " ".join(["python benchmarks/budget_simulation.py", *sys.argv[1:]])
     (args.out_dir / "budget_simulation.json").write_text(json.dumps({"command": command, "rows": rows}, indent=1))
     lines = ["# The adaptive tree budget on simulated batches", "", f"Command: `{command}`", "",
-             "Tokens per simulated second (`benchmarks/budget_simulation.py`: sessions in lockstep, n-gram-like chains,"
-             " step costs from the H200 runs); 'vs best' = adaptive / the best of the fixed budgets (0 = plain).", "",
+             "Tokens per simulated second (`benchmarks/budget_simulation.py`: sessions stepping together, their "
+             "generations staggered, n-gram-like chains, step costs from the H200 runs); 'vs best' = adaptive / the "
+             "best of the fixed budgets (0 = plain).", "",
              "| engine | accepts | after tokens | sessions | " + " | ".join(f"fixed {b}" for b in FIXED)
              + " | adaptive | vs best |", "|---" * (6 + len(FIXED)) + "|"]
     lines += [f"| {r['engine']} | {r['accept']} | {r['warmup']} | {r['sessions']} | "
