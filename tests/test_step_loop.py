@@ -9,6 +9,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+import pytest
+
 from modeling.speculation import DraftStep
 from modeling.tree import DraftTree
 from tests.engine_helpers import GREEDY, make_engine, plain_generate
@@ -225,13 +227,17 @@ def test_the_time_between_steps_is_measured_while_sessions_step_and_not_across_i
     assert count == 2 and total < 0.1  # between a's three steps; none across the idle time before b's
 
 
-def test_generations_through_the_loop_stay_exact_and_one_that_leaves_is_not_stepped_again(tiny_target) -> None:
-    """Four sessions generate together (fp32 on the CPU: each equals plain decoding); a fifth is cancelled
-    mid-generation: its session is released and no later step names it."""
-    engine = make_engine(tiny_target)
+@pytest.mark.parametrize("burst", [1, 4])
+def test_generations_through_the_loop_stay_exact_and_one_that_leaves_is_not_stepped_again(tiny_target,
+                                                                                         burst: int) -> None:
+    """Four sessions generate together (fp32 on the CPU: each equals plain decoding), one step or a burst of
+    plain steps per engine call; a fifth is cancelled mid-generation: its session is released and no later step
+    names it."""
+    engine = make_engine(tiny_target, decode_burst_steps=burst)
     batches: list[list[str]] = []
-    step = engine.step
+    step, decode = engine.step, engine.decode
     engine.step = lambda work: batches.append([sid for sid, _ in work]) or step(work)
+    engine.decode = lambda ids, steps: batches.append(list(ids)) or decode(ids, steps)
     prompts = [PROMPT, PROMPT[:9], PROMPT[3:], list(b"another prompt")]
 
     async def main() -> tuple[list[list[int]], str]:
