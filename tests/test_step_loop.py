@@ -18,7 +18,7 @@ from verifier_service.engine.config import EngineConfig
 from verifier_service.engine.engine import StepResult
 from verifier_service.engine.sampling import SamplingParams
 from verifier_service.engine.stopping import StopReason
-from verifier_service.errors import EngineDown, InvalidArgument
+from verifier_service.errors import EngineDown, InvalidArgument, SessionNotFound
 from verifier_service.metrics import VerifierMetrics
 from verifier_service.service import VerifierService
 from verifier_service.step_loop import RUN_AHEAD, StepEvent, StepLoop
@@ -51,6 +51,7 @@ class FakeEngine:
     threads: list[int] = field(default_factory=list)
     failing: str | None = None  # a session whose every step the engine refuses
     decode_bursts: bool = False
+    unburstable: str | None = None  # a session for which the engine refuses bursts
     step_seconds: float = 0.0  # how long each step keeps the engine (the GPU) busy
     spans: list[tuple[float, float]] = field(default_factory=list)  # each step's (start, end)
 
@@ -72,6 +73,15 @@ class FakeEngine:
             finished = StopReason.LENGTH if self.done[sid] == self.lengths[sid] else None
             results.append(StepResult(sid, [], [], [7], 0, [7], None, finished))
         return results
+
+    def burst_length(self, session_ids: list[str], wanted: int) -> int:
+        if self.unburstable in session_ids:
+            raise SessionNotFound(f"session {self.unburstable}: released")
+        return wanted
+
+    def decode(self, session_ids: list[str], steps: int) -> list[StepResult]:
+        """One step of the sessions standing for `steps` (the fake's steps carry one token each)."""
+        return self.step([(sid, DraftTree.empty()) for sid in session_ids])
 
 
 class ChainDrafters:
@@ -172,6 +182,18 @@ def test_an_overload_is_split_over_engine_steps_in_joining_order() -> None:
     first_pass, second_pass = engine.batches[:3], engine.batches[3:]
     assert first_pass == [["s0", "s1", "s2"], ["s3", "s4", "s5"], ["s6", "s7"]]  # no drafts: 3 sessions a step
     assert second_pass == [["s0", "s1"], ["s2", "s3", "s4"], ["s5", "s6", "s7"]]  # 32 of 40 rows, then 3 sessions
+
+
+def test_a_refused_burst_fails_no_one_and_the_batch_steps_instead() -> None:
+    """A burst the engine refuses (a session of it released meanwhile, say) is an optimisation lost, not an
+    error: the batch steps one step at a time instead."""
+    engine = FakeEngine({"a": 4, "b": 4}, EngineConfig(decode_burst_steps=2), decode_bursts=True, unburstable="b")
+
+    async def consume(loop: StepLoop) -> None:
+        events = await asyncio.gather(read_all(loop, engine.sessions["a"], 0), read_all(loop, engine.sessions["b"], 0))
+        assert [len(e) for e in events] == [4, 4] and all(e[-1].result.finished for e in events)
+
+    run_loop(engine, None, consume)
 
 
 def test_a_refused_step_fails_its_own_generation_and_no_other() -> None:

@@ -334,8 +334,8 @@ class StepLoop:
         """Up to `wanted` plain steps of the batch in one engine call; False when none ran (the KV cannot hold
         it, or the engine refused it: the sessions then go on step by step, where a fault is isolated)."""
         session_ids = [plan.stepper.session_id for plan in batch]
-        steps = self.engine.burst_length(session_ids, wanted)
         try:
+            steps = self.engine.burst_length(session_ids, wanted)  # NOTE: raises for a session released meanwhile
             results = await self._engine_call(self.engine.decode, session_ids, steps)
         except Exception as error:  # noqa: BLE001 - a burst is an optimisation: its refusal fails no one
             if self.down_reason is None and not isinstance(error, CapacityError):
