@@ -301,7 +301,7 @@ class StepLoop:
         if wanted > 1 and len(plain) == len(batch):
             if await self._burst(batch, wanted, started, drafted):
                 return
-            wanted = 1  # NOTE: the KV cannot hold the burst: one step
+            wanted = 1  # NOTE: the burst was refused (the KV cannot hold it, say): one step instead
         results = await self._step(batch, started, drafted)
         if wanted > 1 and plain and results and not any(result.accepted for result in results):
             going_on = [plan for plan in batch
