@@ -50,7 +50,6 @@ class FakeEngine:
     batches: list[list[str]] = field(default_factory=list)
     threads: list[int] = field(default_factory=list)
     failing: str | None = None  # a session whose every step the engine refuses
-    decode_bursts: bool = False
     unburstable: str | None = None  # a session for which the engine refuses bursts
     step_seconds: float = 0.0  # how long each step keeps the engine (the GPU) busy
     spans: list[tuple[float, float]] = field(default_factory=list)  # each step's (start, end)
@@ -187,7 +186,7 @@ def test_an_overload_is_split_over_engine_steps_in_joining_order() -> None:
 def test_a_refused_burst_fails_no_one_and_the_batch_steps_instead() -> None:
     """A burst the engine refuses (a session of it released meanwhile, say) is an optimisation lost, not an
     error: the batch steps one step at a time instead."""
-    engine = FakeEngine({"a": 4, "b": 4}, EngineConfig(decode_burst_steps=2), decode_bursts=True, unburstable="b")
+    engine = FakeEngine({"a": 4, "b": 4}, EngineConfig(decode_burst_steps=2), unburstable="b")
 
     async def consume(loop: StepLoop) -> None:
         events = await asyncio.gather(read_all(loop, engine.sessions["a"], 0), read_all(loop, engine.sessions["b"], 0))

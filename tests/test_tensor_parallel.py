@@ -293,6 +293,20 @@ def test_greedy_over_n_ranks_equals_one_rank(model, world_size, prompt_lengths, 
         assert info.free_pages == info.kv_capacity_pages and info.active_sessions == 0
 
 
+def test_plain_decoding_in_bursts_over_two_ranks_equals_one_rank(targets, tmp_path) -> None:
+    """No drafter: every step after the first is a burst (the verifier's default 4 steps per call), whose later
+    steps take their tokens from the last greedy head on every rank."""
+    expected = plain_generate(make_engine(targets["tiny"]), prompt_of(21),
+                              SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True))
+    with verifier(targets["tiny"], 2, "", tmp_path) as channel:
+        stub = verifier_pb2_grpc.VerifierStub(channel)
+        params = common_pb2.SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True)
+        request = verifier_pb2.VerifierGenerateRequest(session_id=create(stub, prompt_of(21)), params=params)
+        steps = [list(step.token_ids) for step in stub.Generate(request, timeout=120) if not step.HasField("prefill")]
+    assert [token for step in steps for token in step] == expected
+    assert max(len(step) for step in steps) == 4
+
+
 def children(pid: int) -> list[int]:
     return [int(c) for task in Path(f"/proc/{pid}/task").iterdir() for c in (task / "children").read_text().split()]
 

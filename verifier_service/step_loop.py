@@ -296,7 +296,7 @@ class StepLoop:
         (a joining session's first token must not wait for a burst); when the batch has a plain session and none of
         its drafts was accepted, everyone then goes on in a burst: the burst would only hold back sessions whose
         drafts pay."""
-        wanted = self.engine.config.decode_burst_steps if self.engine.decode_bursts else 1
+        wanted = self.engine.config.decode_burst_steps
         plain = [plan for plan in batch if plan.tree is None and plan.stepper.cursor.step]
         if wanted > 1 and len(plain) == len(batch):
             if await self._burst(batch, wanted, started, drafted):

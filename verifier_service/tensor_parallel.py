@@ -49,6 +49,13 @@ class Forward:
 
 
 @dataclass(frozen=True)
+class ForwardNext:
+    """A decode burst's next forward: the rows' tokens are the last Head's greedy tokens, which every rank holds."""
+
+    blocks: tuple[BlockSpec, ...]
+
+
+@dataclass(frozen=True)
 class Head:
     """The LM head over the last forward's hidden states."""
 
@@ -72,7 +79,7 @@ class Stop:
     pass
 
 
-Command = Forward | Head | Commit | CopyPages | Stop
+Command = Forward | ForwardNext | Head | Commit | CopyPages | Stop
 
 
 class Follower:
@@ -81,13 +88,17 @@ class Follower:
     def __init__(self, engine: Engine):
         self.engine = engine
         self.hidden: torch.Tensor | None = None
+        self.tokens: torch.Tensor | None = None  # the last greedy Head's tokens
 
     def run(self, command: Command) -> None:
         match command:
             case Forward(blocks):
                 self.hidden, _ = self.engine.forward(list(blocks))
+            case ForwardNext(blocks):
+                self.hidden, _ = self.engine.forward(list(blocks), self.tokens)
             case Head(greedy):
-                self.engine.head(self.hidden, greedy)
+                chosen = self.engine.head(self.hidden, greedy)
+                self.tokens = chosen if greedy else None
             case Commit(src_rows, dst_slots):
                 self.engine.commit(src_rows, dst_slots)
             case CopyPages(src, dst):
@@ -152,13 +163,23 @@ class LeaderEngine(Engine):
         self.followers = followers
         self.down: str | None = None
         super().__init__(model, config, tokenizer)
-        self.decode_bursts = False  # NOTE: a burst feeds tokens on the device, which the followers' commands lack
 
     def _kv_cache(self, num_pages: int, dtype: torch.dtype, device: torch.device) -> KVCache:
         return LeaderKVCache(self._mirrored, self.model.shard_config, num_pages, self.config.page_size, dtype, device)
 
-    def forward(self, blocks: list[BlockSpec]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return self._mirrored(Forward(tuple(blocks)), functools.partial(super().forward, blocks))
+    def forward(self, blocks: list[BlockSpec], input_ids: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`input_ids` only within a decode burst: the last Head's greedy tokens, which the followers hold too."""
+        command = Forward(tuple(blocks)) if input_ids is None else ForwardNext(tuple(blocks))
+        return self._mirrored(command, functools.partial(super().forward, blocks, input_ids))
+
+    def burst_length(self, session_ids: list[str], wanted: int) -> int:
+        """One step unless every session decodes greedily: a sampled token is drawn on this rank alone, so the
+        followers could not feed it to the next step."""
+        if not all(self.session(sid).generation.params.greedy for sid in session_ids
+                   if self.session(sid).generation is not None):
+            return 1
+        return super().burst_length(session_ids, wanted)
 
     def head(self, hidden: torch.Tensor, greedy: bool) -> torch.Tensor:
         return self._mirrored(Head(greedy), functools.partial(super().head, hidden, greedy))

@@ -93,7 +93,6 @@ class Engine:
         self.feature_layers = config.feature_layers  # NOTE: set by the service once a drafter says which
         self.sessions: dict[str, Session] = {}
         self.graphs = self._graphed_forward() if config.uses_cuda_graphs else None
-        self.decode_bursts = True  # NOTE: off on a tensor-parallel rank 0: its followers replay forwards, not bursts
 
     def _graphed_forward(self):  # -> GraphedForward; imported here: Triton loads only where it runs
         from verifier_service.engine.cuda_graphs import GraphedForward, Layout
@@ -361,7 +360,7 @@ class Engine:
         """The plain steps a `decode` of these sessions runs: at most `wanted`, and none that every session would
         throw away (past its context room, or past its last token)."""
         sessions = [self.session(sid) for sid in session_ids]
-        if not self.decode_bursts or any(s.generation is None for s in sessions):
+        if any(s.generation is None for s in sessions):
             return 1
         room = min(self.max_context - len(s.tokens) for s in sessions)
         left = max(s.generation.stop.max_new_tokens - len(s.generation.stop.generated) for s in sessions)
@@ -388,10 +387,11 @@ class Engine:
             s.block_table.prepare_write(s.kv_len, s.kv_len + steps, self.kv)
 
         generations, rows = [s.generation for s in sessions], list(range(len(sessions)))
-        ids = torch.tensor([s.root for s in sessions]).to(self.device, non_blocking=True)
-        chosen, features = [], []
+        ids, chosen, features = None, [], []
         for offset in range(steps):
-            blocks = [BlockSpec.chain(s.kv_len + offset, [0], s.block_table.pages) for s in sessions]
+            # NOTE: the first step's tokens are the roots; later ones are the last step's choices, on the device
+            blocks = [BlockSpec.chain(s.kv_len + offset, [s.root if ids is None else 0], s.block_table.pages)
+                      for s in sessions]
             hidden, step_features = self.forward(blocks, ids)
             ids = self._choose(hidden, generations, [*rows, len(rows)])
             self.commit(rows, [s.block_table.slot(s.kv_len + offset) for s in sessions])
