@@ -294,6 +294,20 @@ class Engine:
         return torch.cat([choose_tokens(chosen[lo:hi], g.params, g.generator)
                           for g, lo, hi in zip(generations, offsets, offsets[1:])])
 
+    def _distinct_sessions(self, session_ids: list[str]) -> list[Session]:
+        sessions = [self.session(sid) for sid in session_ids]
+        if len({s.session_id for s in sessions}) != len(sessions):
+            raise InvalidArgument("a session appears twice in one step")
+        return sessions
+
+    def _reserve(self, sessions: list[Session], positions: list[int]) -> None:
+        """Make the next `positions[i]` positions of session i writable, or raise with nothing reserved."""
+        needed = sum(s.block_table.pages_needed(s.kv_len, s.kv_len + n) for s, n in zip(sessions, positions))
+        if not self.pool.can_allocate(needed):
+            raise CapacityError(f"KV cache full: the step needs {needed} pages, {self.pool.num_free} free")
+        for s, n in zip(sessions, positions):
+            s.block_table.prepare_write(s.kv_len, s.kv_len + n, self.kv)
+
     def _targets(self, hidden: torch.Tensor, generations: list[Generation], offsets: list[int]) -> list[list[int]]:
         """The target's own token at every verify row, per session."""
         tokens = self._choose(hidden, generations, offsets).tolist()  # NOTE: one copy to the host for the batch
@@ -302,18 +316,11 @@ class Engine:
     def step(self, work: list[tuple[str, DraftTree]]) -> list[StepResult]:
         """Verify each session's tree in one batched forward, accept, commit. All trees are validated
         and all pages reserved before anything runs: on error no session changes."""
-        sessions = [self.session(sid) for sid, _ in work]
-        if len({s.session_id for s in sessions}) != len(sessions):
-            raise InvalidArgument("a session appears twice in one step")
+        sessions = self._distinct_sessions([sid for sid, _ in work])
         trees = [self._check_tree(s, tree) for s, (_, tree) in zip(sessions, work)]
         if sum(len(t) + 1 for t in trees) > self.config.max_batch_tokens:
             raise InvalidArgument(f"the step's trees exceed max_batch_tokens {self.config.max_batch_tokens}")
-        spans = [(s.kv_len, s.kv_len + t.max_depth() + 1) for s, t in zip(sessions, trees)]
-        needed = sum(s.block_table.pages_needed(a, b) for s, (a, b) in zip(sessions, spans))
-        if not self.pool.can_allocate(needed):
-            raise CapacityError(f"KV cache full: the step needs {needed} pages, {self.pool.num_free} free")
-        for s, (a, b) in zip(sessions, spans):
-            s.block_table.prepare_write(a, b, self.kv)
+        self._reserve(sessions, [t.max_depth() + 1 for t in trees])
 
         blocks = [BlockSpec.from_tree(s.kv_len, s.root, t, s.block_table.pages) for s, t in zip(sessions, trees)]
         hidden, features = self.forward(blocks)
@@ -373,18 +380,12 @@ class Engine:
         up to `steps` tokens, cut at its stop; rows computed past a stop lie beyond its KV length and are
         overwritten later. Tokens are exactly those of `steps` calls of `step` with empty trees. All sessions
         are checked and their pages reserved first: on error none changes."""
-        sessions = [self.session(sid) for sid in session_ids]
-        if len({s.session_id for s in sessions}) != len(sessions):
-            raise InvalidArgument("a session appears twice in one step")
+        sessions = self._distinct_sessions(session_ids)
         for s in sessions:
             self._check_tree(s, DraftTree.empty())
         if steps < 1 or steps > min(self.max_context - len(s.tokens) for s in sessions):
             raise InvalidArgument(f"a decode burst of {steps} steps does not fit every session's context")
-        needed = sum(s.block_table.pages_needed(s.kv_len, s.kv_len + steps) for s in sessions)
-        if not self.pool.can_allocate(needed):
-            raise CapacityError(f"KV cache full: the burst needs {needed} pages, {self.pool.num_free} free")
-        for s in sessions:
-            s.block_table.prepare_write(s.kv_len, s.kv_len + steps, self.kv)
+        self._reserve(sessions, [steps] * len(sessions))
 
         generations, rows = [s.generation for s in sessions], list(range(len(sessions)))
         ids, chosen, features = None, [], []
