@@ -19,15 +19,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from modeling.tree import DraftTree  # noqa: E402
-from verifier_service.tree_budget import (  # noqa: E402
-    SHARED_DECAY,
-    AdaptiveBudget,
-    BatchShape,
-    BudgetPolicy,
-    FixedBudget,
-    Outcomes,
-    StepCosts,
-)
+from verifier_service.budget_planner import BudgetPlanner  # noqa: E402
+from verifier_service.step_costs import BatchShape, StepCosts  # noqa: E402
+from verifier_service.tree_budget import SHARED_DECAY, AdaptiveBudget, BudgetPolicy, FixedBudget, Outcomes  # noqa: E402
 
 CONTEXT = 1024
 DRAFT_S = 0.0003
@@ -37,24 +31,31 @@ CHAIN = 14  # the deepest chain the drafter proposes
 @dataclass(frozen=True)
 class Engine:
     """Seconds of a verify step: `fixed`, plus `per_session` for each session and `per_tree` more for each that
-    verifies a tree, plus `per_row` for each row; a pass that drafts waits `round_s` for its draft round first."""
+    verifies a tree, plus `per_row` for each row; a pass that drafts waits for its draft round first: `round_s`, plus
+    `round_per_draft` for each draft in it."""
 
     fixed: float = 0.0012
     per_session: float = 0.0002
     per_tree: float = 0.001
     per_row: float = 0.000005
     round_s: float = DRAFT_S
+    round_per_draft: float = 0.0
     burst: int = 1  # plain steps per pass (verifier --decode-burst-steps)
 
     def step_s(self, sessions: int, trees: int, rows: int) -> float:
         return self.fixed + self.per_session * sessions + self.per_tree * trees + self.per_row * rows
 
+    def draft_round_s(self, drafts: int) -> float:
+        return self.round_s + self.round_per_draft * drafts if drafts else 0.0
+
 
 HOST_BOUND = Engine()  # as measured through the services: a session with a tree costs ~1 ms of host work
 GPU_BOUND = Engine(per_tree=0.00005, per_row=0.00002)  # the engine step alone: trees cost their rows
 # NOTE: the step loop on the H200, Qwen3-8B shape, 64 sessions (throughput_decode_bursts.md): 8.5 ms a plain forward,
-# ~23 us a tree row, a pass that drafts waits ~5 ms for its draft round with the GPU idle, plain steps in bursts of 4
-ROUND_BOUND = Engine(fixed=0.0035, per_session=0.00008, per_tree=0.0, per_row=0.000023, round_s=0.005, burst=4)
+# ~23 us a tree row, a pass that drafts waits for its draft round with the GPU idle (drafter_hop.md: 0.65 ms for one
+# draft, 2.3 ms for 16, 5.3 ms for 64), plain steps in bursts of 4
+ROUND_BOUND = Engine(fixed=0.0035, per_session=0.00008, per_tree=0.0, per_row=0.000023, round_s=0.0005,
+                     round_per_draft=0.00007, burst=4)
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,7 @@ def tokens_per_s(new_policy: Callable[[StepCosts], BudgetPolicy], sessions: int,
     passes, as requests arrive); all sessions step together, in passes as the step loop runs them: the tree step, then
     with `engine.burst` > 1 a burst of plain steps when no draft was accepted. Tokens per simulated second."""
     costs = StepCosts()
+    planner = BudgetPlanner(costs)
     policies = [new_policy(costs) for _ in range(sessions)]
     made, finished, elapsed, total = [0] * sessions, [0] * sessions, 0.0, 0
     lengths = [tokens - i * tokens // (2 * sessions) for i in range(sessions)]
@@ -98,16 +100,21 @@ def tokens_per_s(new_policy: Callable[[StepCosts], BudgetPolicy], sessions: int,
             made[i], finished[i], policies[i], lengths[i] = 0, finished[i] + 1, new_policy(costs), tokens
 
     while min(finished) < generations:
-        budgets = [policy.choose(CONTEXT) for policy in policies]
+        stepping = [i for i in range(sessions) if made[i]]  # NOTE: a generation's first step is plain, as the loop's
+        budgets = [0] * sessions
+        offers = [policies[i].offer(CONTEXT) for i in stepping]
+        for i, budget in zip(stepping, planner.plan(offers, CONTEXT, besides=sessions - len(stepping))):
+            budgets[i] = budget
         trees = [draft(budget) for budget in budgets]
         batch = BatchShape(sessions, sum(len(tree) + 1 for tree in trees))
         verify = engine.step_s(sessions, sum(1 for tree in trees if len(tree)), batch.rows)
-        elapsed += verify + (engine.round_s if any(budgets) else 0.0)
+        round_s = engine.draft_round_s(sum(1 for budget in budgets if budget))
+        elapsed += verify + round_s
         costs.observe_batch(batch, CONTEXT, verify)
         accepted_any = False
         for i, (policy, budget, tree) in enumerate(zip(policies, budgets, trees)):
             if budget:
-                costs.observe_draft(budget, CONTEXT, engine.round_s)
+                costs.observe_draft(budget, CONTEXT, round_s)
             accepted = 0 if made[i] < workload.warmup else min(workload.accept, budget, CHAIN)
             accepted_any |= accepted > 0
             policy.observe(budget, tree, list(range(accepted)))  # the chain's first nodes

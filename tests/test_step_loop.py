@@ -21,8 +21,9 @@ from verifier_service.engine.stopping import StopReason
 from verifier_service.errors import EngineDown, InvalidArgument, SessionNotFound
 from verifier_service.metrics import VerifierMetrics
 from verifier_service.service import VerifierService
+from verifier_service.step_costs import StepCosts
 from verifier_service.step_loop import RUN_AHEAD, StepEvent, StepLoop
-from verifier_service.tree_budget import FixedBudget, StepCosts
+from verifier_service.tree_budget import FixedBudget, Offer
 from verifier_service.worker import EngineWorker
 
 PROMPT = list(b"one loop steps them all")
@@ -435,7 +436,7 @@ def test_a_budget_policy_that_fails_ends_its_own_generation_and_no_other() -> No
     engine = FakeEngine({"odd": 4, "fine": 4})
 
     class Failing(FixedBudget):
-        def choose(self, context: int) -> int:
+        def offer(self, context: int) -> Offer:
             raise ZeroDivisionError("a policy bug")
 
     async def consume(loop: StepLoop) -> None:

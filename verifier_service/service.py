@@ -22,6 +22,7 @@ from verifier_service.engine.session import Session
 from verifier_service.errors import EngineDown, SessionBusy
 from verifier_service.leases import SessionLeases
 from verifier_service.metrics import VerifierMetrics
+from verifier_service.step_costs import StepCosts
 from verifier_service.step_loop import StepEvent, StepLoop, StepSink
 from verifier_service.tree_budget import (
     SHARED_DECAY,
@@ -29,7 +30,6 @@ from verifier_service.tree_budget import (
     BudgetPolicy,
     BudgetPolicyName,
     Outcomes,
-    StepCosts,
     session_policy,
 )
 from verifier_service.worker import EngineWorker

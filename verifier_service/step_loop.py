@@ -24,12 +24,14 @@ from typing import Protocol
 
 from modeling.speculation import StepCursor
 from modeling.tree import DraftTree, TreeError
+from verifier_service.budget_planner import BudgetPlanner
 from verifier_service.drafter_pool import DrafterPool
 from verifier_service.engine.engine import Engine, StepResult
 from verifier_service.engine.session import Session
 from verifier_service.errors import CapacityError, EngineDown
 from verifier_service.metrics import VerifierMetrics
-from verifier_service.tree_budget import BatchShape, BudgetPolicy, StepCosts
+from verifier_service.step_costs import BatchShape, StepCosts
+from verifier_service.tree_budget import BudgetPolicy, Offer
 from verifier_service.worker import EngineWorker
 
 log = logging.getLogger(__name__)
@@ -120,6 +122,7 @@ class StepLoop:
         if cohorts < 1:
             raise ValueError(f"cohorts must be >= 1, got {cohorts}")
         self.engine, self.worker, self.drafters, self.metrics, self.costs = engine, worker, drafters, metrics, costs
+        self.planner = BudgetPlanner(costs)
         self.steppers: dict[str, Stepper] = {}  # in joining order: the longest-stepping first in a split pass
         self.wakeups = [asyncio.Event() for _ in range(cohorts)]
         self.busy_since: float | None = None  # when the latest engine step ended, while sessions were stepping
@@ -227,7 +230,7 @@ class StepLoop:
 
     async def _pass(self, steppers: list[Stepper]) -> None:
         started = time.perf_counter()
-        plans = [plan for plan in map(self._plan, steppers) if plan is not None]
+        plans = self._plans(steppers)
         drafting = [plan for plan in plans if plan.budget]
         await self._draft(drafting)
         drafted = time.perf_counter()
@@ -242,18 +245,28 @@ class StepLoop:
         for batch in self._batches(plans):
             await self._verify(batch, started, drafted)
 
-    def _plan(self, stepper: Stepper) -> _Planned | None:
-        """The stepper's part of this pass: its budget (0 for its first step, or with no drafter); None when its
-        policy fails, which ends its generation alone."""
-        if stepper.cursor.step == 0 or self.drafters is None:
-            return _Planned(stepper, 0)
-        try:
-            return _Planned(stepper, stepper.budgets.choose(stepper.session.kv_len))
-        except Exception as error:  # noqa: BLE001 - handed to its generation
-            log.exception("session %s: choosing its tree budget failed", stepper.session_id)
-            self._drop(stepper)
-            stepper.fail(error)
-            return None
+    def _plans(self, steppers: list[Stepper]) -> list[_Planned]:
+        """The steppers' parts of this pass, in their order: a first step (or any step with no drafter) plain, the
+        other steps' budgets planned together from their policies' offers (BudgetPlanner). A stepper whose policy
+        fails is left out, its generation ended alone."""
+        if self.drafters is None:
+            return [_Planned(stepper, 0) for stepper in steppers]
+        offered: dict[str, Offer] = {}
+        for stepper in steppers:
+            if stepper.cursor.step:
+                try:
+                    offered[stepper.session_id] = stepper.budgets.offer(stepper.session.kv_len)
+                except Exception as error:  # noqa: BLE001 - handed to its generation
+                    log.exception("session %s: its tree budget's offer failed", stepper.session_id)
+                    self._drop(stepper)
+                    stepper.fail(error)
+        steppers = [stepper for stepper in steppers if not stepper.cursor.step or stepper.session_id in offered]
+        if not offered:
+            return [_Planned(stepper, 0) for stepper in steppers]
+        context = sum(stepper.session.kv_len for stepper in steppers if stepper.session_id in offered) // len(offered)
+        budgets = dict(zip(offered, self.planner.plan(list(offered.values()), context,
+                                                      besides=len(steppers) - len(offered))))
+        return [_Planned(stepper, budgets.get(stepper.session_id, 0)) for stepper in steppers]
 
     async def _draft(self, plans: list[_Planned]) -> None:
         """Every plan's tree, asked together; a miss or a bad tree costs its session one step of speculation."""

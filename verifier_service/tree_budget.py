@@ -1,44 +1,34 @@
 """The tree budget of each step: fixed, pinned by the request, or adaptive (docs/design.md section 4, "The budget
 of a step").
 
-The adaptive policy picks, each step, the candidate budget b in {0, 1, 3, 7, ..., max} with the most expected
-committed tokens per second of a batch of N sessions like it (N: the last batch's sessions),
-E[tokens(b)] / (t_draft(b) + t_verify(N x (b + 1) rows)):
-
-- E[tokens(b)] comes from the session's own steps. Both drafters build best-first trees: the tree of budget b is
-  the first b nodes of the tree of any budget B >= b (DDTree pops nodes from a heap in a total order, the n-gram
-  trie sorts its nodes once and keeps a prefix; tests/test_tree_budget.py checks both). The walk takes the first
-  child that matches, so a step verified with budget B and accepted path p would have accepted, with budget b, the
-  longest prefix of p whose nodes are all below b: one verify tells every smaller budget's outcome (exactly when
-  greedy; when sampling, the same draws per node make it an unbiased estimate).
-- The seconds come from CostModels shared by the service's sessions, learnt from measured step times; a verify
-  is keyed by the whole batch's rows, so a session in a batch of N weighs its tree as N such trees.
+An adaptive session offers its batch's plan (verifier_service/budget_planner.py), per candidate budget b in
+{0, 1, 3, 7, ..., max}, the nodes it expects accepted and the nodes it expects its tree to have. What a budget
+accepts comes from the session's own steps. Both drafters build best-first trees: the tree of budget b is the first
+b nodes of the tree of any budget B >= b (DDTree pops nodes from a heap in a total order, the n-gram trie sorts its
+nodes once and keeps a prefix; tests/test_tree_budget.py checks both). The walk takes the first child that matches,
+so a step verified with budget B and accepted path p would have accepted, with budget b, the longest prefix of p
+whose nodes are all below b: one verify tells every smaller budget's outcome (exactly when greedy; when sampling,
+the same draws per node make it an unbiased estimate).
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Literal, NamedTuple, Protocol
 
 from modeling.tree import DraftTree
 from verifier_service.errors import InvalidArgument
+from verifier_service.step_costs import StepCosts
 
 BudgetPolicyName = Literal["fixed", "adaptive"]
 BUDGET_POLICIES: tuple[BudgetPolicyName, ...] = ("fixed", "adaptive")
 SHARED_DECAY = 0.99  # what the service's sessions' trees accepted: about their last hundred steps
-# NOTE: a record out of date drifts to at least this share of its tree accepted: sessions that start together all
-# fail their first drafts (the model does not repeat itself yet), and the shared record alone would then keep them
-# from drafting when their texts turn predictable (benchmarks/results/budget_simulation.md)
-HOPE_SHARE = 0.2
 # NOTE: what an empty draft weighs against a tree that failed: it says the drafter has nothing yet (the text has not
 # repeated itself so far), which the next tokens may change, and costs only the draft's round trip to find out
 EMPTY_WEIGHT = 0.25
-
-
-def bucket(n: float) -> int:
-    """The power of two at or above n (1 for n <= 1): step times are kept per bucket, not per exact size."""
-    return 1 << (max(1, math.ceil(n)) - 1).bit_length()
+# NOTE: what a tree none of whose nodes matched tells of the larger budgets (their further nodes are the less likely
+# ones): a warm-up no longer walks through every larger size, failing at each (budget_simulation.md)
+FAILED_BELOW_WEIGHT = 0.5
 
 
 def candidate_budgets(max_budget: int) -> tuple[int, ...]:
@@ -61,147 +51,23 @@ def outcomes(candidates: tuple[int, ...], budget: int, tree: DraftTree,
     return [(b, accepted_within(path, b), min(b, len(tree))) for b in candidates[1:] if b <= budget]
 
 
-@dataclass
-class DecayedMean:
-    """A mean in which each value weighs `decay` times the next one: it follows a drifting quantity and, unlike an
-    exponential average started at its first value, does not let that one stand for several."""
+class Offer(NamedTuple):
+    """What a session brings to its batch's plan: the budget it must have (`pinned`), or, per candidate budget,
+    the nodes it expects accepted and the nodes it expects its tree to have."""
 
-    decay: float
-    total: float = 0.0
-    weight: float = 0.0
-
-    def add(self, value: float) -> None:
-        self.total = self.decay * self.total + value
-        self.weight = self.decay * self.weight + 1
-
-    @property
-    def value(self) -> float:
-        return self.total / self.weight
-
-
-class CostModel:
-    """Seconds of one part of a step (a verify of T rows, a draft of b nodes), learnt online per (size bucket,
-    context bucket) as a decayed mean of measured times.
-
-    A size with no measurement at its context is interpolated between the measured sizes around it. Past the largest
-    measured size it costs what that one did, until tried: an estimate that guessed larger batches dear (a prior, or
-    a line through two small sizes) kept every session from ever trying one. Below the smallest it follows the line
-    through the two smallest, no cheaper than the smallest, or with one measured size the prior's shape, seconds =
-    prior_s * (1 + slope * size). With no measurement at all the prior answers. A context with no measurement
-    borrows the nearest measured context's row. Why buckets: sizes and contexts vary step by step, powers of two
-    keep a handful of cells, each one measured often; why a decayed mean: the costs move with the load (other
-    sessions share the batch)."""
-
-    def __init__(self, prior_s: float, slope: float, decay: float = 0.9):
-        self.prior_s, self.slope, self.decay = prior_s, slope, decay
-        self.rows: dict[int, dict[int, DecayedMean]] = {}  # context bucket -> size bucket -> seconds
-        self.memo: dict[tuple[int, int], float] = {}  # (size bucket, context bucket) -> seconds, until an observe
-
-    def prior(self, size: float) -> float:
-        return self.prior_s * self._shape(size)
-
-    def _shape(self, size: float) -> float:
-        return 1 + self.slope * size
-
-    def observe(self, size: float, context: int, seconds: float) -> None:
-        self.rows.setdefault(bucket(context), {}).setdefault(bucket(size), DecayedMean(self.decay)).add(seconds)
-        self.memo.clear()
-
-    def estimate(self, size: float, context: int) -> float:
-        """Seconds at `size`: on the line between the estimates of its bucket and the one below, each taken at its
-        bucket's top (two sizes of one bucket, 65 and 127 rows say, must not look equally costly, and a size just
-        past a bucket's top must not look cheaper than the top)."""
-        key, context_key = bucket(size), bucket(context)
-        upper = self._bucket_estimate(key, context_key)
-        if key == 1:
-            return upper
-        lower = self._bucket_estimate(key // 2, context_key)
-        return lower + (upper - lower) * (size - key // 2) / (key // 2)
-
-    def _bucket_estimate(self, key: int, context_key: int) -> float:
-        """Seconds at the top of bucket `key`, remembered until the next measurement (every session asks a dozen
-        of these per step, and the batch's measurements change once per step)."""
-        known = self.memo.get((key, context_key))
-        if known is None:
-            known = self.memo[key, context_key] = self._measured_estimate(key, context_key)
-        return known
-
-    def _measured_estimate(self, key: int, context_key: int) -> float:
-        if not self.rows:
-            return self.prior(key)
-        row = self._nearest_row(context_key)
-        if key in row:
-            return row[key].value
-        lower = max((k for k in row if k < key), default=None)
-        upper = min((k for k in row if k > key), default=None)
-        if lower is not None and upper is not None:
-            low, high = row[lower].value, row[upper].value
-            return low + (high - low) * (key - lower) / (upper - lower)
-        if upper is None:  # NOTE: optimism: past the largest measured size, what that one cost, until tried
-            return row[lower].value
-        side = sorted(k for k in row if k > key)[:2]
-        if len(side) == 2:  # NOTE: along the line through the two smallest measured sizes, no cheaper than the first
-            near, far = row[side[0]].value, row[side[1]].value
-            return max(near + (far - near) / (side[1] - side[0]) * (key - side[0]), min(near, far))
-        return row[upper].value * self.prior(key) / self.prior(upper)
-
-    def _nearest_row(self, context_key: int) -> dict[int, DecayedMean]:
-        """The measured row of the context bucket nearest to `context_key` (in powers of two)."""
-        near = context_key.bit_length()
-        return self.rows[min(self.rows, key=lambda c: (abs(c.bit_length() - near), c))]
-
-
-class BatchShape(NamedTuple):
-    """One engine verify step: its sessions and rows (tree nodes and roots)."""
-
-    sessions: int
-    rows: int
-
-
-@dataclass
-class StepCosts:
-    """The service's cost models, and the shape of the last verify step. The verify model is keyed by the rows of
-    the whole batch: in a batch of many sessions a verify of T rows each costs what N x T rows cost, which a model
-    keyed by one session's rows cannot tell (the batch costs about the same whatever one session adds). The priors
-    only order the budgets until the first steps are measured: a verify that costs twice as much at 64 rows as at 1
-    (benchmarks/results/e2e_step.md: 9.7 ms at 16 rows, 17.5 ms at 64, at 128k), a draft that costs about the
-    same at any budget (one drafter forward)."""
-
-    verify: CostModel = field(default_factory=lambda: CostModel(prior_s=0.010, slope=1 / 64))
-    draft: CostModel = field(default_factory=lambda: CostModel(prior_s=0.002, slope=0.0))
-    batch: BatchShape = BatchShape(1, 1)
-    drafts: list[tuple[int, int, float]] = field(default_factory=list)  # measured since the last verify step
-
-    def observe_batch(self, batch: BatchShape, context: int, seconds: float) -> None:
-        """An engine verify step took `seconds`; `context`: its sessions' mean KV length. The drafts of
-        the step's sessions are learnt now too, so the models change once per step and their estimates are
-        remembered in between (a batch's sessions ask them a dozen times each)."""
-        for draft in self.drafts:
-            self.draft.observe(*draft)
-        self.drafts.clear()
-        self.verify.observe(batch.rows, context, seconds)
-        self.batch = batch
-
-    def observe_draft(self, budget: int, context: int, seconds: float) -> None:
-        """A draft of `budget` nodes came back after `seconds` (a miss is no cost of drafting: a stalled drafter is
-        not waited on again); learnt at the next verify step."""
-        self.drafts.append((budget, context, seconds))
-
-    def seconds(self, budget: int, nodes: float, context: int, besides: float) -> float:
-        """A step in which this session's tree has `nodes` nodes (budget 0: no draft at all) and the other
-        sessions of the batch verify `besides` rows."""
-        draft = self.draft.estimate(budget, context) if budget else 0.0
-        return draft + self.verify.estimate(besides + nodes + 1, context)
+    pinned: int | None
+    candidates: tuple[int, ...] = ()
+    accepted: tuple[float, ...] = ()
+    nodes: tuple[float, ...] = ()
+    idle: int = 0  # its steps since it last drafted
 
 
 class BudgetPolicy(Protocol):
-    def choose(self, context: int) -> int:
-        """The budget of the next step of a session whose KV holds `context` tokens."""
+    def offer(self, context: int) -> Offer:
+        """What the next step of a session whose KV holds `context` tokens brings to the batch's plan."""
 
     def observe(self, budget: int, tree: DraftTree | None, path: list[int]) -> None:
         """A step ran with `budget`: `tree` verified (None when none came), `path` its accepted nodes."""
-
-
 
 
 class Outcomes:
@@ -240,8 +106,8 @@ class FixedBudget:
     shared: Outcomes | None = field(default=None, compare=False)
     candidates: tuple[int, ...] = field(default=(), compare=False)  # the service's: what `shared` is kept for
 
-    def choose(self, context: int) -> int:
-        return self.budget
+    def offer(self, context: int) -> Offer:
+        return Offer(self.budget)
 
     def observe(self, budget: int, tree: DraftTree | None, path: list[int]) -> None:
         if self.shared is not None and tree is not None and budget:
@@ -250,9 +116,7 @@ class FixedBudget:
 
 
 class AdaptiveBudget:
-    """One session's budgets: each step the candidate with the most expected tokens per second of a batch of
-    sessions like it, as many as the last batch had (a session in a batch of 64 weighs its tree of b nodes as 64
-    trees of b nodes would cost; its draft overlaps the others').
+    """One session's offers to its batch's plan: per candidate budget, what it expects accepted.
 
     What a budget accepts comes from the session's own steps, and until it has verified one of that size, from
     `shared`, the record of all the service's sessions (so a new session does not pay to explore what the others
@@ -265,9 +129,10 @@ class AdaptiveBudget:
 
     An empty draft (the drafter found nothing to propose) counts as a failure only when the one before was empty too,
     and then as a quarter of one.
-    Two more ways up: a path that ran into the tree's edge (it ended at a leaf of a tree the budget had cut) tries
-    the next candidate up at the next step; and the maximum is verified again as often as keeps those explorations
-    under `explore_share` of the batch's time (all its sessions' explorations together)."""
+    Two ways up that the session insists on (its offer pins them): a path that ran into the tree's edge (it ended at a
+    leaf of a tree the budget had cut) tries the next candidate up at the next step; and the maximum is verified
+    again as often as keeps those explorations under `explore_share` of the batch's time (all its sessions'
+    explorations together)."""
 
     def __init__(self, max_budget: int, costs: StepCosts, shared: Outcomes, explore_share: float = 0.02,
                  decay: float = 0.8, age_decay: float = 0.8, hope: float = 0.01):
@@ -279,14 +144,20 @@ class AdaptiveBudget:
         self.verified_at: dict[int, int] = {}  # budget > 0 -> the step that last told its outcome
         self.since_max = 0  # steps since the last one at the maximum, that one included
         self.step_up: int | None = None  # the next step's budget after a path that ran into the edge
+        self.last_budget = 0  # this session's budget in its last step
+        self.paying = 0  # its last steps in a row whose drafts were accepted
+        self.drafted_at = 0  # the last step with a draft
         self.last_rows = 1  # this session's rows in its last step
         self.forgive_empty = True  # an empty draft is taken as a failure only after one that was empty too
 
-    def choose(self, context: int) -> int:
-        best = max(self.candidates, key=lambda b: (self.tokens_per_s(b, context), -b))
-        if best != self.max_budget and self.since_max >= self._exploration_interval(best, context):
-            return self.max_budget
-        return self.step_up if self.step_up is not None else best
+    def offer(self, context: int) -> Offer:
+        if self.step_up is not None:
+            return Offer(self.step_up)
+        if self.paying >= 2 and self.last_budget < self.max_budget and self._exploration_due(context):
+            return Offer(self.max_budget)
+        expected = [self.expected(budget) for budget in self.candidates]
+        return Offer(None, self.candidates, tuple(e[0] for e in expected), tuple(e[1] for e in expected),
+                     self.steps - self.drafted_at)
 
     def expected(self, budget: int) -> tuple[float, float]:
         """(accepted nodes, tree nodes) a step of `budget` can expect: the record, aged, blended with what the
@@ -301,32 +172,29 @@ class AdaptiveBudget:
         else:
             return float(budget), float(budget)
         weight *= self.age_decay ** age
-        usual = max(self.shared.mean(budget)[0] if budget in self.shared else budget, HOPE_SHARE * budget)
+        usual = self.shared.mean(budget)[0] if budget in self.shared else budget
         return ((weight * record[0] + self.hope * usual) / (weight + self.hope),
                 (weight * record[1] + self.hope * budget) / (weight + self.hope))
 
-    def tokens_per_s(self, budget: int, context: int) -> float:
-        """Expected tokens per second of a batch of sessions like this one (the last batch's size) at `budget`:
-        each session's trees are paid for by the whole batch, and its drafts overlap the others' drafts."""
-        accepted, nodes = self.expected(budget)
-        besides = (self.costs.batch.sessions - 1) * (nodes + 1)
-        return (1 + accepted) / self.costs.seconds(budget, nodes, context, besides)
-
-    def _exploration_interval(self, best: int, context: int) -> float:
-        """Steps from one exploration to the next that spend `explore_share` of the batch's time on the
-        explorations of all its sessions (each one adds its tree's rows to the batch as it stands)."""
+    def _exploration_due(self, context: int) -> bool:
+        """Whether enough steps have passed since the last one at the maximum that one more spends at most
+        `explore_share` of the batch's time on the explorations of all its sessions (each one adds its tree's rows
+        to the batch as it stands, and its draft round if the batch had none)."""
         besides = max(0, self.costs.batch.rows - self.last_rows)
-        step = self.costs.seconds(best, self.expected(best)[1], context, besides)
-        extra = self.costs.seconds(self.max_budget, self.expected(self.max_budget)[1], context, besides) - step
-        return self.costs.batch.sessions * extra / (self.explore_share * step)
+        usual = self.costs.seconds(self.last_budget, self.expected(self.last_budget)[1], context, besides)
+        explored = self.costs.seconds(self.max_budget, self.expected(self.max_budget)[1], context, besides)
+        return self.since_max >= self.costs.batch.sessions * (explored - usual) / (self.explore_share * usual)
 
     def observe(self, budget: int, tree: DraftTree | None, path: list[int]) -> None:
         self.steps += 1
         self.since_max += 1
         self.step_up = None
+        self.last_budget = budget
+        self.paying = self.paying + 1 if path else 0
         self.last_rows = (len(tree) if tree else 0) + 1
         if tree is None or budget == 0:
             return
+        self.drafted_at = self.steps
         weight = 1.0
         if not len(tree):  # NOTE: the drafter found nothing to propose; once is no sign that its trees would fail
             forgiven, self.forgive_empty = self.forgive_empty, False
@@ -341,8 +209,15 @@ class AdaptiveBudget:
             self.own.add(*outcome, weight)
             self.shared.add(*outcome, weight)
             self.verified_at[outcome[0]] = self.steps
+        if not path:  # NOTE: none of its best nodes matched: the larger trees' further nodes are likelier to fail too
+            for larger in (b for b in self.candidates if b > budget):
+                self.own.add(larger, 0, larger, weight * FAILED_BELOW_WEIGHT)
+                self.verified_at.setdefault(larger, self.steps)
         if len(tree) == budget and path and path[-1] not in tree.parents:
-            self.step_up = next((b for b in self.candidates if b > budget), None)
+            larger = next((b for b in self.candidates if b > budget), None)
+            if larger not in self.own or self.own.weight(larger) * self.age_decay ** (
+                    self.steps - self.verified_at[larger]) < 1:  # NOTE: a recent verify already told what it accepts
+                self.step_up = larger
 
 
 def session_policy(policy: BudgetPolicyName, max_budget: int, pinned: int, costs: StepCosts,

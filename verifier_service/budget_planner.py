@@ -1,0 +1,123 @@
+"""The tree budgets of a pass's sessions, planned together (docs/design.md section 4, "The budget of a step").
+
+The drafts of a pass share one round trip that the whole batch waits for, and their trees one verify step: a
+session drafting alone makes every other session wait for its draft round, which no session's own choice weighs
+(benchmarks/results/budget_simulation.md)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from verifier_service.step_costs import StepCosts
+from verifier_service.tree_budget import Offer
+
+# NOTE: the exchange rates tried between a row of the verify step and the tokens it must be expected to bring in,
+# from dear rows to free ones (a tie goes to the smaller plan): each rate gives every free session the budget whose
+# tree pays best at it, and the plan is the best of those (the rate that balances the batch's step time is not known
+# before the plan is)
+ROW_PRICES = np.array([*(0.01 * 2 ** (k / 2) for k in reversed(range(16))), 0.0])
+# NOTE: a session that has not drafted for this many of its steps is probed with the others: a shorter wait probes
+# sessions whose drafts have just failed, which their records already tell
+PROBE_IDLE_STEPS = 4
+# NOTE: the first probe after drafting stopped paying comes 2^-PROBE_BACKOFF of the way into the probes' interval, the
+# next twice as far, and so on: a text that has stopped repeating often repeats again soon (a model's first tokens
+# after a prompt seldom repeat it, the next ones do), and a long run of probes in vain costs the share only
+PROBE_BACKOFF = 4
+# NOTE: a plain step of the batch's size that was never measured is, once, when drafting does not look at least this
+# many times faster: its estimate is a guess from larger steps, and a step's cost may be mostly per tree (host work)
+# rather than per row, which only a measurement tells
+PLAIN_DOUBT = 2.0
+
+
+class BudgetPlanner:
+    """Each pass's budgets. Pinned sessions get theirs. The free ones get the plan with the most expected tokens per
+    second of the whole batch (sessions that step plainly beside them included), among: every free session plain,
+    and, for each price a row may cost, each free session at the budget that maximises its expected accepted nodes
+    minus the price of its tree. The draft round costs what its largest draft does, once, if anyone drafts at all.
+
+    Sessions that do not draft (their records say their drafts fail) are probed together at a small budget, as
+    often as keeps the probes under `probe_share` of the batch's time: a text that did not repeat may start to, and
+    a probe that finds it lets the session climb (a path that runs into the edge of its tree tries the next size
+    up). Probing them together pays one draft round for all."""
+
+    def __init__(self, costs: StepCosts, probe_share: float = 0.03):
+        self.costs, self.probe_share = costs, probe_share
+        self.since_probe = 0  # passes since the last probe
+        self.vain_probes = 0  # probes since the last pass in which drafting paid for a free session
+
+    def plan(self, offers: list[Offer], context: int, besides: int = 0) -> list[int]:
+        """The budgets of `offers`' sessions in a pass where `besides` more sessions step plainly; `context`: the
+        sessions' mean KV length."""
+        self.since_probe += 1
+        budgets = [offer.pinned or 0 for offer in offers]
+        free = [i for i, offer in enumerate(offers) if offer.pinned is None]
+        if not free:
+            return budgets
+        pass_ = _Pass(self.costs, offers, free, context, besides)
+        choice = pass_.best_choice()
+        if choice.any():
+            self.vain_probes = 0
+        candidates = offers[free[0]].candidates
+        for i, chosen in zip(free, choice):
+            budgets[i] = candidates[chosen]
+        idle = [i for i in free if budgets[i] == 0 and offers[i].idle >= PROBE_IDLE_STEPS]
+        probe = candidates[min(2, len(candidates) - 1)]
+        wait = min(1.0, 2.0 ** (self.vain_probes - PROBE_BACKOFF)) * self._probe_interval(pass_, choice, idle, probe)
+        if idle and self.since_probe >= wait:
+            for i in idle:
+                budgets[i] = probe
+            self.since_probe = 0
+            self.vain_probes += 1
+        return budgets
+
+    def _probe_interval(self, pass_: _Pass, choice: np.ndarray, idle: list[int], probe: int) -> float:
+        """The passes from one probe of the `idle` sessions at budget `probe` to the next that keep the probes under
+        `probe_share` of the batch's time, the pass planned as `choice`."""
+        if not idle:
+            return 0.0
+        draft_s, rows = float(pass_.draft_s(choice)), float(pass_.rows(choice))
+        verify, context = self.costs.verify, pass_.context
+        step = draft_s + verify.estimate(rows, context)
+        extra = (max(draft_s, self.costs.draft.estimate(probe, context)) - draft_s
+                 + verify.estimate(rows + len(idle) * probe, context) - verify.estimate(rows, context))
+        return extra / (self.probe_share * step)
+
+
+class _Pass:
+    """One pass's plans: the free sessions' candidates (`choice`: an index into the candidates per free session)
+    against what the pinned and plain sessions fix."""
+
+    def __init__(self, costs: StepCosts, offers: list[Offer], free: list[int], context: int, besides: int):
+        self.costs, self.context = costs, context
+        candidates = offers[free[0]].candidates
+        self.accepted = np.array([offers[i].accepted for i in free])
+        self.nodes = np.array([offers[i].nodes for i in free])
+        self.candidate_draft_s = np.array([costs.draft.estimate(b, context) if b else 0.0 for b in candidates])
+        pinned = [offer.pinned for offer in offers if offer.pinned]
+        self.fixed_tokens = len(offers) + besides  # NOTE: a pinned session's tokens are the same in every plan
+        self.fixed_rows = sum(pinned) + len(offers) + besides
+        self.fixed_draft_s = max((costs.draft.estimate(b, context) for b in pinned), default=0.0)
+
+    def best_choice(self) -> np.ndarray:
+        """The choice with the most expected tokens per second: all plain, or the best price's, unless the plain
+        step of this batch was never measured and the drafting plan's edge over it is a guess (PLAIN_DOUBT)."""
+        priced = (self.accepted[None] - ROW_PRICES[:, None, None] * self.nodes[None]).argmax(-1)
+        choices = np.concatenate([np.zeros((1, len(self.accepted)), dtype=np.int64), priced])
+        rates = self.rates(choices)
+        best = int(rates.argmax())  # NOTE: the first of equals: plain, then from dear rows to cheap ones
+        measured = self.costs.verify.measured(self.fixed_rows, self.context)
+        return choices[best] if measured or rates[best] >= PLAIN_DOUBT * rates[0] else choices[0]
+
+    def rates(self, choices: np.ndarray) -> np.ndarray:
+        """Expected tokens per second of the pass for each row of `choices` (the free sessions' candidates)."""
+        sessions = np.arange(choices.shape[1])[None]
+        tokens = self.fixed_tokens + self.accepted[sessions, choices].sum(1)
+        seconds = [draft_s + self.costs.verify.estimate(rows, self.context)
+                   for draft_s, rows in zip(self.draft_s(choices), self.rows(choices))]
+        return tokens / np.array(seconds)
+
+    def rows(self, choices: np.ndarray) -> np.ndarray:
+        return self.fixed_rows + self.nodes[np.arange(choices.shape[-1]), choices].sum(-1)
+
+    def draft_s(self, choices: np.ndarray) -> np.ndarray:
+        return np.maximum(self.fixed_draft_s, self.candidate_draft_s[choices].max(-1))

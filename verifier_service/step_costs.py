@@ -1,0 +1,150 @@
+"""What the parts of a step cost, learnt online from measured times: a verify of T rows, a draft of b nodes
+(docs/design.md section 4, "The budget of a step": the seconds of the adaptive budget)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+
+def bucket(n: float) -> int:
+    """The power of two at or above n (1 for n <= 1): step times are kept per bucket, not per exact size."""
+    return 1 << (max(1, math.ceil(n)) - 1).bit_length()
+
+
+@dataclass
+class DecayedMean:
+    """A mean in which each value weighs `decay` times the next one: it follows a drifting quantity and, unlike an
+    exponential average started at its first value, does not let that one stand for several."""
+
+    decay: float
+    total: float = 0.0
+    weight: float = 0.0
+
+    def add(self, value: float) -> None:
+        self.total = self.decay * self.total + value
+        self.weight = self.decay * self.weight + 1
+
+    @property
+    def value(self) -> float:
+        return self.total / self.weight
+
+
+class CostModel:
+    """Seconds of one part of a step (a verify of T rows, a draft of b nodes), learnt online per (size bucket,
+    context bucket) as a decayed mean of measured times.
+
+    A size with no measurement at its context is interpolated between the measured sizes around it. Past the largest
+    measured size it costs what that one did, until tried: an estimate that guessed larger batches dear (a prior, or
+    a line through two small sizes) kept every session from ever trying one. Below the smallest it follows the line
+    through the two smallest, no cheaper than the smallest, or with one measured size the prior's shape, seconds =
+    prior_s * (1 + slope * size). With no measurement at all the prior answers. A context with no measurement
+    borrows the nearest measured context's row. Why buckets: sizes and contexts vary step by step, powers of two
+    keep a handful of cells, each one measured often; why a decayed mean: the costs move with the load (other
+    sessions share the batch)."""
+
+    def __init__(self, prior_s: float, slope: float, decay: float = 0.9):
+        self.prior_s, self.slope, self.decay = prior_s, slope, decay
+        self.rows: dict[int, dict[int, DecayedMean]] = {}  # context bucket -> size bucket -> seconds
+        self.memo: dict[tuple[int, int], float] = {}  # (size bucket, context bucket) -> seconds, until an observe
+
+    def prior(self, size: float) -> float:
+        return self.prior_s * self._shape(size)
+
+    def _shape(self, size: float) -> float:
+        return 1 + self.slope * size
+
+    def observe(self, size: float, context: int, seconds: float) -> None:
+        self.rows.setdefault(bucket(context), {}).setdefault(bucket(size), DecayedMean(self.decay)).add(seconds)
+        self.memo.clear()
+
+    def measured(self, size: float, context: int) -> bool:
+        """Whether a size of `size`'s bucket was measured at `context`'s bucket."""
+        return bucket(size) in self.rows.get(bucket(context), ())
+
+    def estimate(self, size: float, context: int) -> float:
+        """Seconds at `size`: on the line between the estimates of its bucket and the one below, each taken at its
+        bucket's top (two sizes of one bucket, 65 and 127 rows say, must not look equally costly, and a size just
+        past a bucket's top must not look cheaper than the top)."""
+        key, context_key = bucket(size), bucket(context)
+        upper = self._bucket_estimate(key, context_key)
+        if key == 1:
+            return upper
+        lower = self._bucket_estimate(key // 2, context_key)
+        return lower + (upper - lower) * (size - key // 2) / (key // 2)
+
+    def _bucket_estimate(self, key: int, context_key: int) -> float:
+        """Seconds at the top of bucket `key`, remembered until the next measurement (every session asks a dozen
+        of these per step, and the batch's measurements change once per step)."""
+        known = self.memo.get((key, context_key))
+        if known is None:
+            known = self.memo[key, context_key] = self._measured_estimate(key, context_key)
+        return known
+
+    def _measured_estimate(self, key: int, context_key: int) -> float:
+        if not self.rows:
+            return self.prior(key)
+        row = self._nearest_row(context_key)
+        if key in row:
+            return row[key].value
+        lower = max((k for k in row if k < key), default=None)
+        upper = min((k for k in row if k > key), default=None)
+        if lower is not None and upper is not None:
+            low, high = row[lower].value, row[upper].value
+            return low + (high - low) * (key - lower) / (upper - lower)
+        if upper is None:  # NOTE: optimism: past the largest measured size, what that one cost, until tried
+            return row[lower].value
+        side = sorted(k for k in row if k > key)[:2]
+        if len(side) == 2:  # NOTE: along the line through the two smallest measured sizes, no cheaper than the first
+            near, far = row[side[0]].value, row[side[1]].value
+            return max(near + (far - near) / (side[1] - side[0]) * (key - side[0]), min(near, far))
+        return row[upper].value * self.prior(key) / self.prior(upper)
+
+    def _nearest_row(self, context_key: int) -> dict[int, DecayedMean]:
+        """The measured row of the context bucket nearest to `context_key` (in powers of two)."""
+        near = context_key.bit_length()
+        return self.rows[min(self.rows, key=lambda c: (abs(c.bit_length() - near), c))]
+
+
+class BatchShape(NamedTuple):
+    """One engine verify step: its sessions and rows (tree nodes and roots)."""
+
+    sessions: int
+    rows: int
+
+
+@dataclass
+class StepCosts:
+    """The service's cost models, and the shape of the last verify step. The verify model is keyed by the rows of
+    the whole batch: in a batch of many sessions a verify of T rows each costs what N x T rows cost, which a model
+    keyed by one session's rows cannot tell (the batch costs about the same whatever one session adds). The priors
+    only order the budgets until the first steps are measured: a verify that costs twice as much at 64 rows as at 1
+    (benchmarks/results/e2e_step.md: 9.7 ms at 16 rows, 17.5 ms at 64, at 128k), a draft that costs about the
+    same at any budget (one drafter forward)."""
+
+    verify: CostModel = field(default_factory=lambda: CostModel(prior_s=0.010, slope=1 / 64))
+    draft: CostModel = field(default_factory=lambda: CostModel(prior_s=0.002, slope=0.0))
+    batch: BatchShape = BatchShape(1, 1)
+    drafts: list[tuple[int, int, float]] = field(default_factory=list)  # measured since the last verify step
+
+    def observe_batch(self, batch: BatchShape, context: int, seconds: float) -> None:
+        """An engine verify step took `seconds`; `context`: its sessions' mean KV length. The drafts of
+        the step's sessions are learnt now too, so the models change once per step and their estimates are
+        remembered in between (a batch's sessions ask them a dozen times each)."""
+        for draft in self.drafts:
+            self.draft.observe(*draft)
+        self.drafts.clear()
+        self.verify.observe(batch.rows, context, seconds)
+        self.batch = batch
+
+    def observe_draft(self, budget: int, context: int, seconds: float) -> None:
+        """A draft of `budget` nodes came back after `seconds` (a miss is no cost of drafting: a stalled drafter is
+        not waited on again); learnt at the next verify step."""
+        self.drafts.append((budget, context, seconds))
+
+    def seconds(self, budget: int, nodes: float, context: int, besides: float) -> float:
+        """A step in which this session's tree has `nodes` nodes (budget 0: no draft at all) and the other
+        sessions of the batch verify `besides` rows."""
+        draft = self.draft.estimate(budget, context) if budget else 0.0
+        return draft + self.verify.estimate(besides + nodes + 1, context)
