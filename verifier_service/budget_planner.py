@@ -63,7 +63,7 @@ class BudgetPlanner:
         idle = [i for i in free if budgets[i] == 0 and offers[i].idle >= PROBE_IDLE_STEPS]
         probe = candidates[min(2, len(candidates) - 1)]
         wait = min(1.0, 2.0 ** (self.vain_probes - PROBE_BACKOFF)) * self._probe_interval(pass_, choice, idle, probe)
-        if idle and self.since_probe >= wait:
+        if idle and probe and self.since_probe >= wait:
             for i in idle:
                 budgets[i] = probe
             self.since_probe = 0

@@ -34,8 +34,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tree-budget", type=int, default=15,
                         help="the largest draft tree of a step (the fixed policy's budget, the adaptive one's maximum)")
     parser.add_argument("--budget-policy", choices=BUDGET_POLICIES, default="fixed",
-                        help="fixed: every step drafts --tree-budget nodes; adaptive: each step the budget with the "
-                             "most expected tokens per second, learnt per session (docs/design.md section 4)")
+                        help="fixed: every step drafts --tree-budget nodes; adaptive: each pass the sessions' budgets "
+                             "with the most expected tokens per second of the batch, from each session's acceptance "
+                             "and the measured step times (docs/design.md section 4)")
     parser.add_argument("--draft-timeout-s", type=float, default=2.0,
                         help="how long a step waits for its tree; a replica that misses it is probed, not waited on")
     parser.add_argument("--session-lease-s", type=float, default=DEFAULT_LEASE_S,
