@@ -16,6 +16,8 @@ from verifier_service.tree_budget import Offer
 # tree pays best at it, and the plan is the best of those (the rate that balances the batch's step time is not known
 # before the plan is)
 ROW_PRICES = np.array([*(0.01 * 2 ** (k / 2) for k in reversed(range(16))), 0.0])
+# NOTE: a probe's tree: enough nodes to find a text that repeats, few enough that a batch of failed probes costs little
+PROBE_BUDGET = 3
 # NOTE: a session that has not drafted for this many of its steps is probed with the others: a shorter wait probes
 # sessions whose drafts have just failed, which their records already tell
 PROBE_IDLE_STEPS = 4
@@ -61,7 +63,7 @@ class BudgetPlanner:
         for i, chosen in zip(free, choice):
             budgets[i] = candidates[chosen]
         idle = [i for i in free if budgets[i] == 0 and offers[i].idle >= PROBE_IDLE_STEPS]
-        probe = candidates[min(2, len(candidates) - 1)]
+        probe = min(PROBE_BUDGET, candidates[-1])
         wait = min(1.0, 2.0 ** (self.vain_probes - PROBE_BACKOFF)) * self._probe_interval(pass_, choice, idle, probe)
         if idle and probe and self.since_probe >= wait:
             for i in idle:
