@@ -31,8 +31,8 @@ CHAIN = 14  # the deepest chain the drafter proposes
 @dataclass(frozen=True)
 class Engine:
     """Seconds of a verify step: `fixed`, plus `per_session` for each session and `per_tree` more for each that
-    verifies a tree, plus `per_row` for each row; a pass that drafts waits for its draft round first: `round_s`, plus
-    `round_per_draft` for each draft in it."""
+    verifies a tree, plus `per_row` for each row; each engine call costs `call_s` more (a burst of plain steps is one
+    call); a pass that drafts waits for its draft round first: `round_s`, plus `round_per_draft` for each draft."""
 
     fixed: float = 0.0012
     per_session: float = 0.0002
@@ -40,6 +40,7 @@ class Engine:
     per_row: float = 0.000005
     round_s: float = DRAFT_S
     round_per_draft: float = 0.0
+    call_s: float = 0.0
     burst: int = 1  # plain steps per pass (verifier --decode-burst-steps)
 
     def step_s(self, sessions: int, trees: int, rows: int) -> float:
@@ -51,11 +52,12 @@ class Engine:
 
 HOST_BOUND = Engine()  # as measured through the services: a session with a tree costs ~1 ms of host work
 GPU_BOUND = Engine(per_tree=0.00005, per_row=0.00002)  # the engine step alone: trees cost their rows
-# NOTE: the step loop on the H200, Qwen3-8B shape, 64 sessions (throughput_decode_bursts.md): 8.5 ms a plain forward,
-# ~23 us a tree row, a pass that drafts waits for its draft round with the GPU idle (drafter_hop.md: 0.65 ms for one
-# draft, 2.3 ms for 16, 5.3 ms for 64), plain steps in bursts of 4
-ROUND_BOUND = Engine(fixed=0.0035, per_session=0.00008, per_tree=0.0, per_row=0.000023, round_s=0.0005,
-                     round_per_draft=0.00007, burst=4)
+# NOTE: the step loop on the H200, Qwen3-8B shape, 64 sessions (throughput_decode_bursts.md: a plain step took
+# 12.35 ms one per call and 9.08 ms in calls of 4, so 8.0 ms a forward and 4.4 ms a call), ~23 us a tree row, a pass
+# that drafts waits for its draft round with the GPU idle (drafter_hop.md: 0.65 ms for one draft, 2.3 ms for 16,
+# 5.3 ms for 64), plain steps in bursts of 4
+ROUND_BOUND = Engine(fixed=0.0029, per_session=0.00008, per_tree=0.0, per_row=0.000023, round_s=0.0005,
+                     round_per_draft=0.00007, call_s=0.0044, burst=4)
 
 
 @dataclass(frozen=True)
@@ -105,9 +107,18 @@ def tokens_per_s(new_policy: Callable[[StepCosts], BudgetPolicy], sessions: int,
         offers = [policies[i].offer(CONTEXT) for i in stepping]
         for i, budget in zip(stepping, planner.plan(offers, CONTEXT, besides=sessions - len(stepping))):
             budgets[i] = budget
+        plain = engine.step_s(sessions, 0, sessions)
+        if engine.burst > 1 and len(stepping) == sessions and not any(budgets):  # NOTE: one call, a burst
+            elapsed += engine.call_s + engine.burst * plain
+            costs.observe_batch(BatchShape(sessions, sessions), CONTEXT, engine.call_s / engine.burst + plain)
+            for _ in range(engine.burst):
+                for i, policy in enumerate(policies):
+                    policy.observe(0, None, [])
+                    emit(i, 1)
+            continue
         trees = [draft(budget) for budget in budgets]
         batch = BatchShape(sessions, sum(len(tree) + 1 for tree in trees))
-        verify = engine.step_s(sessions, sum(1 for tree in trees if len(tree)), batch.rows)
+        verify = engine.call_s + engine.step_s(sessions, sum(1 for tree in trees if len(tree)), batch.rows)
         round_s = engine.draft_round_s(sum(1 for budget in budgets if budget))
         elapsed += verify + round_s
         costs.observe_batch(batch, CONTEXT, verify)
@@ -119,11 +130,10 @@ def tokens_per_s(new_policy: Callable[[StepCosts], BudgetPolicy], sessions: int,
             accepted_any |= accepted > 0
             policy.observe(budget, tree, list(range(accepted)))  # the chain's first nodes
             emit(i, 1 + accepted)
-        if engine.burst > 1 and not accepted_any and not all(budgets):
-            plain = engine.step_s(sessions, 0, sessions)
-            costs.observe_batch(BatchShape(sessions, sessions), CONTEXT, plain)
+        if engine.burst > 1 and not accepted_any and not all(budgets):  # NOTE: the rest of the pass, one call
+            elapsed += engine.call_s + (engine.burst - 1) * plain
+            costs.observe_batch(BatchShape(sessions, sessions), CONTEXT, engine.call_s / (engine.burst - 1) + plain)
             for _ in range(engine.burst - 1):
-                elapsed += plain
                 for i, policy in enumerate(policies):
                     policy.observe(0, None, [])
                     emit(i, 1)
