@@ -58,6 +58,10 @@ GPU_BOUND = Engine(per_tree=0.00005, per_row=0.00002)  # the engine step alone: 
 # 5.3 ms for 64), plain steps in bursts of 4
 ROUND_BOUND = Engine(fixed=0.0029, per_session=0.00008, per_tree=0.0, per_row=0.000023, round_s=0.0005,
                      round_per_draft=0.00007, call_s=0.0044, burst=4)
+# NOTE: one or a few sessions at 128k, Qwen3-8B shape (e2e_step.md: a verify of 16 rows 9.7 ms, of 64 rows 17.5 ms, so
+# ~0.16 ms a row: the rows' attention over the long prefix), an n-gram draft round of ~0.65 ms
+LONG_CONTEXT = Engine(fixed=0.0072, per_session=0.0, per_tree=0.0, per_row=0.00016, round_s=0.0006,
+                      round_per_draft=0.00005, call_s=0.0005, burst=4)
 
 
 @dataclass(frozen=True)
@@ -147,13 +151,16 @@ FIXED = (0, 7, 15, 31, 63)
 def main() -> None:
     """The adaptive policy against every fixed budget over the grid of engines, workloads and batch sizes."""
     parser = argparse.ArgumentParser(description=main.__doc__)
-    parser.add_argument("--sessions", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument("--sessions", type=int, nargs="+", default=[1, 16, 64],
+                        help="batch sizes of the batch engines (the long-context one runs 1 and 4 sessions)")
     parser.add_argument("--out-dir", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()
     rows = []
-    for name, engine in (("host-bound", HOST_BOUND), ("gpu-bound", GPU_BOUND), ("round-bound", ROUND_BOUND)):
+    engines = (("host-bound", HOST_BOUND, args.sessions), ("gpu-bound", GPU_BOUND, args.sessions),
+               ("round-bound", ROUND_BOUND, args.sessions), ("long-context", LONG_CONTEXT, [1, 4]))
+    for name, engine, batch_sizes in engines:
         for workload in WORKLOADS:
-            for sessions in args.sessions:
+            for sessions in batch_sizes:
                 fixed = {b: tokens_per_s(lambda _, b=b: FixedBudget(b), sessions, workload, engine) for b in FIXED}
                 adaptive = tokens_per_s(adaptive_sessions(), sessions, workload, engine)
                 rows.append({"engine": name, "accept": workload.accept, "warmup": workload.warmup,

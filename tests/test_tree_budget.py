@@ -18,6 +18,7 @@ import torch
 from benchmarks.budget_simulation import (
     GPU_BOUND,
     HOST_BOUND,
+    LONG_CONTEXT,
     ROUND_BOUND,
     Workload,
     adaptive_sessions,
@@ -371,6 +372,8 @@ def test_a_plain_step_never_measured_is_measured_once_when_drafting_is_no_clear_
     (GPU_BOUND, Workload(accept=0), 16),
     (ROUND_BOUND, Workload(accept=0), 64),
     (ROUND_BOUND, Workload(accept=1), 16),
+    (LONG_CONTEXT, Workload(accept=13, warmup=8), 1),
+    (LONG_CONTEXT, Workload(accept=0), 4),
 ])
 def test_the_adaptive_policy_keeps_up_with_the_best_fixed_budget(engine, workload, sessions) -> None:
     """Within 5% of the best of budgets 0 (plain), 7, 15, 31 and 63, on simulated batches. The cases it does not
