@@ -24,7 +24,7 @@ from benchmarks.budget_simulation import (
     adaptive_sessions,
     tokens_per_s,
 )
-from ddtree.client import Client, GatewayError
+from ddtree.client import AsyncClient, Client, GatewayError
 from ddtree.local_stack import LocalStack, free_port
 from drafter_service.ngram_index import NgramIndex
 from drafter_service.server import load_drafter
@@ -520,6 +520,27 @@ def test_greedy_output_is_plain_greedy_output_under_every_budget(stack, tiny_tar
             generation = client.generate(text, tree_budget=budget, max_new_tokens=MAX_NEW)
             generation.result()
             assert generation.token_ids == expected, (text, budget)
+    assert verifier_metric(stack.metrics_url, "ddtree_verifier_tree_budget_count") > steps_before
+
+
+def test_sessions_planned_together_stay_exact(stack, tiny_target) -> None:
+    """Twelve generations at once, texts that repeat and texts that do not, some pinned: the planner gives one
+    pass's sessions different budgets (and probes some), and every output is still plain greedy decoding."""
+    reference = greedy_reference(tiny_target, MAX_NEW)
+    texts = [("a b c " * (2 + i % 3)).strip() if i % 2 else f"nothing here repeats, {i} times over" for i in range(12)]
+    pins = [0, 0, 0, 3] * 3  # NOTE: every fourth pinned at 3, the others planned
+
+    async def run_all() -> list[list[int]]:
+        client = AsyncClient(stack.addresses["gateway"], timeout=120)
+
+        async def one(text: str, pin: int) -> list[int]:
+            generation = client.generate(text, max_new_tokens=MAX_NEW, tree_budget=pin)
+            await generation.result()
+            return generation.token_ids
+        return await asyncio.gather(*(one(text, pin) for text, pin in zip(texts, pins)))
+
+    steps_before = verifier_metric(stack.metrics_url, "ddtree_verifier_tree_budget_count")
+    assert asyncio.run(run_all()) == [reference(reference.encode(text)) for text in texts]
     assert verifier_metric(stack.metrics_url, "ddtree_verifier_tree_budget_count") > steps_before
 
 
