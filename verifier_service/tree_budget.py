@@ -121,18 +121,18 @@ class AdaptiveBudget:
     What a budget accepts comes from the session's own steps, and until it has verified one of that size, from
     `shared`, the record of all the service's sessions (so a new session does not pay to explore what the others
     know), or, before any session has, from hope (every node accepted). A record weighs less the longer it goes
-    unverified (by `age_decay` a step) against what the service's sessions accept, or a fifth of the tree if more
-    (weight `hope`): a text that was unpredictable a few steps ago (a model seldom repeats itself from its first
-    token) is not taken to stay so, and the more steps a budget has failed, the longer that takes (a text that
-    never repeats is seldom drafted for). Its tree is taken at its full size meanwhile, which keeps those returns
-    to small budgets where trees are dear.
+    unverified (by `age_decay` a step) against what the service's sessions accept (weight `hope`): where the others'
+    drafts pay, a session whose first drafts failed (a model seldom repeats itself from its first token) comes back
+    within a few steps; where nobody's do, the planner's probes bring it back. Its tree is taken at its full size
+    meanwhile. A tree none of whose nodes matched also counts, at FAILED_BELOW_WEIGHT, as a failure of the larger
+    budgets.
 
     An empty draft (the drafter found nothing to propose) counts as a failure only when the one before was empty too,
     and then as a quarter of one.
     Two ways up that the session insists on (its offer pins them): a path that ran into the tree's edge (it ended at a
-    leaf of a tree the budget had cut) tries the next candidate up at the next step; and the maximum is verified
-    again as often as keeps those explorations under `explore_share` of the batch's time (all its sessions'
-    explorations together)."""
+    leaf of a tree the budget had cut) tries the next candidate up at the next step, unless that one was verified
+    lately; and after two paying steps in a row, the maximum is verified again as often as keeps those explorations
+    under `explore_share` of the batch's time (all its sessions' explorations together)."""
 
     def __init__(self, max_budget: int, costs: StepCosts, shared: Outcomes, explore_share: float = 0.02,
                  decay: float = 0.8, age_decay: float = 0.8, hope: float = 0.01):
