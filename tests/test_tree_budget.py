@@ -340,6 +340,21 @@ def test_idle_sessions_are_probed_together_within_the_share() -> None:
     assert 0 < len(late) * probe_s <= 0.03 * 200 * step_s + probe_s
 
 
+def test_a_long_sessions_tree_rows_are_priced_at_its_own_context() -> None:
+    """A row of a session at 128k reads its whole prefix: on the 8B shape it costs ~0.16 ms against ~0.02 at 1k
+    (e2e_step.md). Among short sessions, the long one's tree is priced at that, not at the batch's mean context."""
+    costs = StepCosts()
+    for context, fixed_s, row_s in ((1024, 0.005, 0.000023), (16384, 0.0055, 0.00003), (131072, 0.0072, 0.00016)):
+        for rows in (16, 32, 64, 128, 256, 512, 1024):
+            costs.observe_batch(BatchShape(16, rows), context, fixed_s + row_s * rows)
+    for budget in candidate_budgets(MAX)[1:]:
+        costs.observe_draft(budget, 9000, 0.001)
+    planner = BudgetPlanner(costs)
+    long_one, short = offer(10)._replace(context=131072), offer(10)._replace(context=1024)
+    assert planner.plan([long_one] + [short] * 15, 9000) == [0] + [15] * 15
+    assert planner.plan([offer(10)] * 16, 9000) == [15] * 16  # NOTE: no context: every row priced alike
+
+
 def test_a_plain_step_never_measured_is_measured_once_when_drafting_is_no_clear_win() -> None:
     """The step's cost may be per tree rather than per row (host work), which only a measurement of the plain step
     shows: a batch that has only ever drafted steps plainly once, unless its drafts look twice as fast."""

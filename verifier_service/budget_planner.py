@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from verifier_service.step_costs import StepCosts
+from verifier_service.step_costs import StepCosts, bucket
 from verifier_service.tree_budget import Offer
 
 # NOTE: the exchange rates tried between a row of the verify step and the tokens it must be expected to bring in,
@@ -92,13 +92,33 @@ class _Pass:
     def __init__(self, costs: StepCosts, offers: list[Offer], free: list[int], context: int, besides: int):
         self.costs, self.context = costs, context
         candidates = offers[free[0]].candidates
-        self.accepted = np.array([offers[i].accepted for i in free])
-        self.nodes = np.array([offers[i].nodes for i in free])
-        self.candidate_draft_s = np.array([costs.draft.estimate(b, context) if b else 0.0 for b in candidates])
         pinned = [offer.pinned for offer in offers if offer.pinned]
         self.fixed_tokens = len(offers) + besides  # NOTE: a pinned session's tokens are the same in every plan
         self.fixed_rows = sum(pinned) + len(offers) + besides
         self.fixed_draft_s = max((costs.draft.estimate(b, context) for b in pinned), default=0.0)
+        self.candidate_draft_s = np.array([costs.draft.estimate(b, context) if b else 0.0 for b in candidates])
+        self.accepted = np.array([offers[i].accepted for i in free])
+        weights = self.row_weights([offers[i].context for i in free])
+        self.nodes = np.array([offers[i].nodes for i in free]) * weights[:, None]  # NOTE: in rows at `context`
+
+    def row_weights(self, contexts: list[int]) -> np.ndarray:
+        """`row_weight` of each context, computed once per context bucket (the verify model's unit)."""
+        by_bucket: dict[int, float] = {}
+        for context in contexts:
+            if bucket(context) not in by_bucket:
+                by_bucket[bucket(context)] = self.row_weight(context)
+        return np.array([by_bucket[bucket(context)] for context in contexts])
+
+    def row_weight(self, context: int) -> float:
+        """What a tree row of a session whose KV holds `context` tokens costs, in rows at the batch's mean context:
+        a row's attention reads the session's own prefix (at 128k a row costs several times one at 1k). From the
+        verify model's slope at each context; 1 where the model knows no other context."""
+        if not context:
+            return 1.0
+        verify, rows = self.costs.verify, self.fixed_rows
+        here = verify.estimate(2 * rows, self.context) - verify.estimate(rows, self.context)
+        there = verify.estimate(2 * rows, context) - verify.estimate(rows, context)
+        return there / here if here > 0 and there > 0 else 1.0
 
     def best_choice(self) -> np.ndarray:
         """The choice with the most expected tokens per second: all plain, or the best price's, unless the plain

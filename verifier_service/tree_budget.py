@@ -60,6 +60,7 @@ class Offer(NamedTuple):
     accepted: tuple[float, ...] = ()
     nodes: tuple[float, ...] = ()
     idle: int = 0  # its steps since it last drafted
+    context: int = 0  # its KV length: what its tree's rows cost (0: as any other session's)
 
 
 class BudgetPolicy(Protocol):
@@ -157,7 +158,7 @@ class AdaptiveBudget:
             return Offer(self.max_budget)
         expected = [self.expected(budget) for budget in self.candidates]
         return Offer(None, self.candidates, tuple(e[0] for e in expected), tuple(e[1] for e in expected),
-                     self.steps - self.drafted_at)
+                     self.steps - self.drafted_at, context)
 
     def expected(self, budget: int) -> tuple[float, float]:
         """(accepted nodes, tree nodes) a step of `budget` can expect: the record, aged, blended with what the
