@@ -1,9 +1,9 @@
 """The one loop that steps every generation past its prefill (the scheduling loop of nano-vllm's and vLLM's
-engines). Each pass chooses every session's budget, asks the drafters for all the trees at once (one batch message
-per replica, one deadline), verifies them together in one engine step (more when the batch limits split them,
-the longest-stepping sessions first), and puts each step's event into its generation's sink: a GenerateStream's
-outbox (no task wakes per step), or a queue read as an iterator. Sessions join between passes (one that joins while
-the drafts are out steps in the same pass: its first step needs no draft) and leave at any time.
+engines). Each pass plans its sessions' budgets together (BudgetPlanner), asks the drafters for all the trees at
+once (one batch message per replica, one deadline), verifies them together in one engine step (more when the batch
+limits split them, the longest-stepping sessions first), and puts each step's event into its generation's sink: a
+GenerateStream's outbox (no task wakes per step), or a queue read as an iterator. Sessions join between passes (one
+that joins while the drafts are out steps in the same pass: its first step needs no draft) and leave at any time.
 
 A pass's host work runs beside the GPU: a step whose events have not been streamed yet runs on the engine thread
 while the loop streams them, and the drafters' round trip leaves the loop to the streams too. A generation whose
