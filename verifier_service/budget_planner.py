@@ -102,23 +102,22 @@ class _Pass:
         self.nodes = np.array([offers[i].nodes for i in free]) * weights[:, None]  # NOTE: in rows at `context`
 
     def row_weights(self, contexts: list[int]) -> np.ndarray:
-        """`row_weight` of each context, computed once per context bucket (the verify model's unit)."""
+        """What a tree row of a session whose KV holds each context costs, in rows at the batch's mean context: a
+        row's attention reads the session's own prefix (at 128k a row costs several times one at 1k). The verify
+        model's slope at that context over its slope at the batch's, once per context bucket (the model's unit); 1
+        for context 0 and where the model knows no other context."""
+        here = self.row_slope(self.context)
         by_bucket: dict[int, float] = {}
         for context in contexts:
-            if bucket(context) not in by_bucket:
-                by_bucket[bucket(context)] = self.row_weight(context)
-        return np.array([by_bucket[bucket(context)] for context in contexts])
+            if context and bucket(context) not in by_bucket:
+                there = self.row_slope(context)
+                by_bucket[bucket(context)] = there / here if here > 0 and there > 0 else 1.0
+        return np.array([by_bucket[bucket(context)] if context else 1.0 for context in contexts])
 
-    def row_weight(self, context: int) -> float:
-        """What a tree row of a session whose KV holds `context` tokens costs, in rows at the batch's mean context:
-        a row's attention reads the session's own prefix (at 128k a row costs several times one at 1k). From the
-        verify model's slope at each context; 1 where the model knows no other context."""
-        if not context:
-            return 1.0
+    def row_slope(self, context: int) -> float:
+        """Seconds a verify row adds at `context`, from batches of this pass's fixed rows to twice as many."""
         verify, rows = self.costs.verify, self.fixed_rows
-        here = verify.estimate(2 * rows, self.context) - verify.estimate(rows, self.context)
-        there = verify.estimate(2 * rows, context) - verify.estimate(rows, context)
-        return there / here if here > 0 and there > 0 else 1.0
+        return verify.estimate(2 * rows, context) - verify.estimate(rows, context)
 
     def best_choice(self) -> np.ndarray:
         """The choice with the most expected tokens per second: all plain, or the best price's, unless the plain
