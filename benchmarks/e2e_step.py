@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -455,6 +456,18 @@ def write_results(out_dir: Path, name: str, result: dict, table: str) -> None:
     (out_dir / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
     (out_dir / f"{name}.md").write_text(table)
     print(table)
+
+
+def git_commit() -> str | None:
+    """HEAD's short hash, with '+dirty' when tracked files differ from it; None outside a git checkout."""
+    def git(*words: str) -> str:
+        return subprocess.run(["git", "--no-optional-locks", *words], cwd=Path(__file__).resolve().parents[1],
+                              capture_output=True, text=True, check=True, timeout=30).stdout.strip()
+    try:
+        head, dirty = git("rev-parse", "--short", "HEAD"), git("status", "--porcelain", "--untracked-files=no")
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head + ("+dirty" if dirty else "")
 
 
 if __name__ == "__main__":

@@ -31,14 +31,13 @@ import os
 import platform
 import shlex
 import statistics
-import subprocess
 import sys
 import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from e2e_step import shape_of
+from e2e_step import git_commit, shape_of
 from prometheus_client.parser import text_string_to_metric_families
 from throughput import prompts
 
@@ -268,18 +267,6 @@ def add_speedups(rows: list[dict]) -> None:
     for row in rows:
         base = plain.get(row["context"])
         row["speedup_vs_plain"] = row["decode_tokens_per_s"] / base if base and row["decode_tokens_per_s"] else None
-
-
-def git_commit() -> str | None:
-    """HEAD's short hash, with '+dirty' when tracked files differ from it; None outside a git checkout."""
-    def git(*words: str) -> str:
-        return subprocess.run(["git", "--no-optional-locks", *words], cwd=ROOT, capture_output=True, text=True,
-                              check=True, timeout=30).stdout.strip()
-    try:
-        head, dirty = git("rev-parse", "--short", "HEAD"), git("status", "--porcelain", "--untracked-files=no")
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return head + ("+dirty" if dirty else "")
 
 
 def device_name(device: str) -> str:

@@ -32,6 +32,16 @@ def test_e2e_step_smoke_run_writes_its_table(tmp_path: Path, shape: str) -> None
     assert "| 0k | 7 |" in (tmp_path / f"e2e_step_{shape}.md").read_text()
 
 
+def test_prefill_interference_smoke_run_writes_its_table(tmp_path: Path) -> None:
+    run_benchmark("prefill_interference.py", "--shape", "tiny", "--contexts", "700", "--decoders", "2",
+                  "--decoder-tokens", "1024", "--baseline-s", "0.2", "--out-dir", str(tmp_path))
+    (row,) = json.loads((tmp_path / "prefill_interference_tiny.json").read_text())["rows"]
+    assert row["context"] == 700 and row["ttft_alone_ms"] > 0 and row["ttft_beside_ms"] > 0
+    assert row["baseline_gap_ms"]["count"] > 0 and row["prefill_gap_ms"]["count"] > 0
+    assert row["prefill_gap_ms"]["max"] >= row["prefill_gap_ms"]["p50"] > 0
+    assert "| 700 |" in (tmp_path / "prefill_interference_tiny.md").read_text()
+
+
 def test_batch_step_smoke_run_writes_its_table(tmp_path: Path) -> None:
     run_benchmark("batch_step.py", "--shape", "tiny", "--sessions", "1", "3", "--budgets", "0", "7", "--context", "64",
                   "--burst", "4", "--out-dir", str(tmp_path))
