@@ -22,6 +22,7 @@ from verifier_service.engine.session import Session
 from verifier_service.errors import EngineDown, SessionBusy
 from verifier_service.leases import SessionLeases
 from verifier_service.metrics import VerifierMetrics
+from verifier_service.prefill_turns import PrefillTurns
 from verifier_service.step_costs import StepCosts
 from verifier_service.step_loop import StepEvent, StepLoop, StepSink
 from verifier_service.tree_budget import (
@@ -73,6 +74,7 @@ class VerifierService:
         self.budget_outcomes = Outcomes(SHARED_DECAY)  # what the adaptive sessions' trees accepted, for new ones
         self.policies: dict[str, AdaptiveBudget] = {}  # adaptive sessions' policies, across their generations
         self.worker = EngineWorker(inline_steps)
+        self.prefill_turns = PrefillTurns()
         self.generating: set[str] = set()
         self.leases = SessionLeases(lease_s)
         self.background: set[asyncio.Task] = set()  # aborted prefills, releases of sessions whose caller went away
@@ -132,15 +134,36 @@ class VerifierService:
 
     async def _prefill(self, prefill: Prefill) -> AsyncIterator[PrefillEvent]:
         """A prefill one chunk per engine call: the verify steps queued meanwhile run between two chunks, so a
-        128k-token prompt holds the other sessions up for one chunk at a time, not for all of it. Between chunks
-        it tells how far it got. A caller that goes away (or an error) aborts it at the next chunk: a client gone
-        during a long prompt frees the engine and the prompt's pages."""
+        128k-token prompt holds the other sessions up for one chunk at a time, not for all of it; concurrent
+        prefills take turns shortest-remaining-first (PrefillTurns). It tells how far it got after each chunk but
+        the last; the chunks run in a task of their own, so a caller slow to take that news holds up no other
+        prefill. A caller that goes away (or an error) aborts it at the next chunk: a client gone during a long
+        prompt frees the engine and the prompt's pages."""
+        progress: asyncio.Queue[int] = asyncio.Queue()  # tokens prefilled after each chunk but the last
+        chunks = asyncio.ensure_future(self._prefill_chunks(prefill, progress.put_nowait))
+        news: asyncio.Future | None = None
         try:
-            while not await self._call(prefill.advance):
-                yield PrefillEvent(prefill.done, prefill.total)
+            while True:
+                news = asyncio.ensure_future(progress.get())
+                await asyncio.wait((chunks, news), return_when=asyncio.FIRST_COMPLETED)
+                if not news.done():
+                    chunks.result()
+                    return
+                yield PrefillEvent(news.result(), prefill.total)
         except BaseException:
+            chunks.cancel()
+            self._in_background(chunks)
             self._in_background(self._call(prefill.abort))  # NOTE: behind a chunk still running on the engine thread
             raise
+        finally:
+            if news is not None:
+                news.cancel()
+
+    async def _prefill_chunks(self, prefill: Prefill, report: Callable[[int], None]) -> None:
+        async with self.prefill_turns.turn(prefill.total) as between:
+            while not await self._call(prefill.advance):
+                report(prefill.done)
+                await between(prefill.total - prefill.done)
 
     async def _call(self, fn: Callable[..., T], *args, **kwargs) -> T:
         """fn(*args, **kwargs) on the engine thread, or EngineDown as soon as the engine is marked down. (Verify
