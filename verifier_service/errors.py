@@ -4,13 +4,18 @@ import grpc
 
 from proto.status import InvalidArgument, SessionBusy, SessionNotFound, StatusError
 
-__all__ = ["CapacityError", "EngineDown", "InvalidArgument", "PrefillStopped", "SessionBusy", "SessionNotFound"]
+__all__ = ["CapacityError", "EngineDown", "InvalidArgument", "NoFreePages", "PrefillStopped", "SessionBusy",
+           "SessionNotFound"]
 
 
 class CapacityError(StatusError):
     """The KV page pool cannot hold what was asked; nothing was allocated."""
 
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class NoFreePages(CapacityError):
+    """A prefill's pages are not free now; it took none and may try again once others are released."""
 
 
 class PrefillStopped(StatusError):

@@ -13,6 +13,7 @@ from modeling.config import ModelConfig
 from proto import verifier_pb2, verifier_pb2_grpc
 from proto.security import add_internal_auth_args, internal_auth
 from proto.serving import ServiceServer, channel_options, server_options, service_main
+from verifier_service.admission import DEFAULT_ADMISSION_TIMEOUT_S
 from verifier_service.drafter_pool import DrafterPool
 from verifier_service.engine.config import ATTENTION_CHOICES, EngineConfig, resolve_attention
 from verifier_service.engine.engine import Engine
@@ -41,6 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="how long a step waits for its tree; a replica that misses it is probed, not waited on")
     parser.add_argument("--session-lease-s", type=float, default=DEFAULT_LEASE_S,
                         help="a session no gateway renews (and no generation holds) is released after this long")
+    parser.add_argument("--admission-timeout-s", type=float, default=DEFAULT_ADMISSION_TIMEOUT_S,
+                        help="how long a prompt waits for free KV pages (first come first served) before it is "
+                             "RESOURCE_EXHAUSTED; 0: at once")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default=None, help="float32 | float16 | bfloat16 (default: checkpoint's)")
     parser.add_argument("--attention", default="auto", choices=ATTENTION_CHOICES,
@@ -129,7 +133,7 @@ async def serve(args: argparse.Namespace) -> None:
                                auth=auth)
     service = VerifierService(engine, drafters, metrics, tree_budget=args.tree_budget, inline_steps=group is None,
                               lease_s=args.session_lease_s, budget_policy=args.budget_policy,
-                              step_cohorts=args.step_cohorts)
+                              step_cohorts=args.step_cohorts, admission_timeout_s=args.admission_timeout_s)
 
     server = ServiceServer(SERVICE_NAME, verifier_pb2_grpc.add_VerifierServicer_to_server,
                            VerifierServicer(service, Path(args.target).name), args.listen, server_options(), auth)

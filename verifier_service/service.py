@@ -14,12 +14,13 @@ from typing import TypeVar
 
 from ddtree.progress import track
 from modeling.speculation import feature_tail
+from verifier_service.admission import DEFAULT_ADMISSION_TIMEOUT_S, KVAdmission
 from verifier_service.drafter_pool import DrafterPool
 from verifier_service.engine.engine import Engine
 from verifier_service.engine.prefill import Prefill
 from verifier_service.engine.sampling import SamplingParams
 from verifier_service.engine.session import Session
-from verifier_service.errors import EngineDown, SessionBusy
+from verifier_service.errors import EngineDown, NoFreePages, SessionBusy
 from verifier_service.leases import SessionLeases
 from verifier_service.metrics import VerifierMetrics
 from verifier_service.prefill_turns import PrefillTurns
@@ -64,10 +65,11 @@ def _log_warm_up(warming: asyncio.Future) -> None:
 class VerifierService:
     def __init__(self, engine: Engine, drafters: DrafterPool | None, metrics: VerifierMetrics,
                  tree_budget: int = 15, inline_steps: bool = True, lease_s: float = DEFAULT_LEASE_S,
-                 budget_policy: BudgetPolicyName = "fixed", step_cohorts: int = 1):
+                 budget_policy: BudgetPolicyName = "fixed", step_cohorts: int = 1,
+                 admission_timeout_s: float = DEFAULT_ADMISSION_TIMEOUT_S):
         """tree_budget: the largest budget of a step; budget_policy: verifier_service/tree_budget.py.
         inline_steps: see EngineWorker (off for a tensor-parallel group). lease_s: see SessionLeases. step_cohorts:
-        see StepLoop."""
+        see StepLoop. admission_timeout_s: see KVAdmission."""
         self.engine, self.drafters, self.metrics, self.tree_budget = engine, drafters, metrics, tree_budget
         self.budget_policy = budget_policy
         self.step_costs = StepCosts()  # NOTE: shared: every session's steps measure the same engine
@@ -75,11 +77,12 @@ class VerifierService:
         self.policies: dict[str, AdaptiveBudget] = {}  # adaptive sessions' policies, across their generations
         self.worker = EngineWorker(inline_steps)
         self.prefill_turns = PrefillTurns()
+        self.admission = KVAdmission(admission_timeout_s)
         self.generating: set[str] = set()
         self.leases = SessionLeases(lease_s)
         self.background: set[asyncio.Task] = set()  # aborted prefills, releases of sessions whose caller went away
         self.reaper: asyncio.Task | None = None
-        metrics.watch(engine, self.generating)
+        metrics.watch(engine, self.generating, lambda: self.admission.waiting)
         self.loop = StepLoop(engine, self.worker, drafters, metrics, self.step_costs, step_cohorts)
         self.down_reason: str | None = None  # set once the engine is down: every engine call fails with it
         self.down_signal: asyncio.Future | None = None  # done once the engine is down; what engine calls race
@@ -153,17 +156,49 @@ class VerifierService:
         except BaseException:
             chunks.cancel()
             self._in_background(chunks)
-            self._in_background(self._call(prefill.abort))  # NOTE: behind a chunk still running on the engine thread
+            self._in_background(self._abort(prefill))
             raise
         finally:
             if news is not None:
                 news.cancel()
 
     async def _prefill_chunks(self, prefill: Prefill, report: Callable[[int], None]) -> None:
-        async with self.prefill_turns.turn(prefill.total) as between:
-            while not await self._call(prefill.advance):
-                report(prefill.done)
-                await between(prefill.total - prefill.done)
+        """The chunks in turns. The first one takes the prompt's pages; when they are not free it waits in the
+        admission queue, as does a prompt that finds others waiting there already."""
+        queued = self.admission.waiting > 0
+        while True:
+            if queued:
+                await self.admission.admit(lambda: self._call(prefill.reserve), f"the prompt's {prefill.pages_needed}")
+            async with self.prefill_turns.turn(prefill.total) as between:
+                try:
+                    while not await self._call(prefill.advance):
+                        report(prefill.done)
+                        await between(prefill.total - prefill.done)
+                    return
+                except NoFreePages:
+                    queued = True
+
+    async def _start_generation(self, session_id: str, params: SamplingParams) -> None:
+        """Start the generation once the pages it may take are free: at once when its prefill kept them free
+        (Engine.promised), else in the admission queue's order."""
+        async def started() -> bool:
+            try:
+                await self._call(self.engine.start_generation, session_id, params)
+            except NoFreePages:
+                return False
+            return True
+
+        first = session_id in self.engine.promised or not self.admission.waiting
+        if not (first and await started()):
+            await self.admission.admit(started, "the generation's")
+
+    async def _end_generation(self, session_id: str) -> None:
+        await self._call(self.engine.end_generation, session_id)
+        self.admission.pages_freed()
+
+    async def _abort(self, prefill: Prefill) -> None:
+        await self._call(prefill.abort)  # NOTE: behind a chunk still running on the engine thread
+        self.admission.pages_freed()
 
     async def _call(self, fn: Callable[..., T], *args, **kwargs) -> T:
         """fn(*args, **kwargs) on the engine thread, or EngineDown as soon as the engine is marked down. (Verify
@@ -243,6 +278,7 @@ class VerifierService:
         if self.drafters is not None:
             self.drafters.detach(session_id)
         await self._call(self.engine.release_session, session_id)
+        self.admission.pages_freed()
 
     def _in_background(self, work: Awaitable) -> None:
         """Engine work that must happen though its caller is gone (awaited by `stop`)."""
@@ -280,14 +316,15 @@ class VerifierService:
             params.validate()
             budgets = self._budgets(session_id, tree_budget)
             if append:
-                prefill = await self._call(self.engine.begin_extend, session_id, append, self._feature_tail())
+                prefill = await self._call(self.engine.begin_extend, session_id, append, self._feature_tail(),
+                                           params.max_new_tokens)
                 async with contextlib.aclosing(self._prefill(prefill)) as events:
                     async for event in events:
                         yield event
                 features = prefill.features
                 if self.drafters is not None:
                     self.drafters.add_features(session_id, features)
-            await self._call(self.engine.start_generation, session_id, params)
+            await self._start_generation(session_id, params)
             if sink is not None:
                 await self.loop.run(session, budgets, sink)
                 return
@@ -299,5 +336,5 @@ class VerifierService:
             self.leases.grant(session_id)  # NOTE: the lease restarts when the generation lets go of it
             if self.drafters is not None:
                 self.drafters.close_mirror(session_id)
-            if not keep_session and self.down_reason is None:
-                await self._release(session_id)
+            if self.down_reason is None:
+                await (self._end_generation(session_id) if keep_session else self._release(session_id))

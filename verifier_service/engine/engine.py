@@ -34,7 +34,7 @@ from verifier_service.engine.verify_batch import (
     build_prefill_chunk,
     build_verify_batch,
 )
-from verifier_service.errors import CapacityError, InvalidArgument, SessionNotFound
+from verifier_service.errors import CapacityError, InvalidArgument, NoFreePages, SessionNotFound
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +92,9 @@ class Engine:
         self.value_dim = self.model_config.mla.kv_lora_rank if self.model_config.mla else 0
         self.feature_layers = config.feature_layers  # NOTE: set by the service once a drafter says which
         self.sessions: dict[str, Session] = {}
+        # NOTE: a session whose prompt is in (or going in) and whose generation has not started yet -> the positions
+        # that generation may reach: their pages are kept free for it (pages_owed)
+        self.promised: dict[str, int] = {}
         self.graphs = self._graphed_forward() if config.uses_cuda_graphs else None
 
     def _graphed_forward(self):  # -> GraphedForward; imported here: Triton loads only where it runs
@@ -174,11 +177,14 @@ class Engine:
         session = Session(session_id, [], BlockTable(self.pool, self.config.page_size))
         return self._begin_prefill(session, prompt, feature_tail, self._register)
 
-    def begin_extend(self, session_id: str, tokens: list[int], feature_tail: int = 0) -> Prefill:
-        """extend_session one chunk per `advance()`."""
+    def begin_extend(self, session_id: str, tokens: list[int], feature_tail: int = 0,
+                     then_generate: int = 0) -> Prefill:
+        """extend_session one chunk per `advance()`. `then_generate`: the new tokens of the generation that follows
+        (start_generation): the pages they may take are kept free from the moment the prefill takes its own, so the
+        generation can always start (no admission stands between a prompt that is in and its generation)."""
         if not tokens:
             raise InvalidArgument("tokens must contain at least one token")
-        return self._begin_prefill(self.session(session_id), tokens, feature_tail, None)
+        return self._begin_prefill(self.session(session_id), tokens, feature_tail, None, then_generate)
 
     def _refuse_taken(self, session_id: str) -> None:
         if session_id in self.sessions:
@@ -198,11 +204,15 @@ class Engine:
         return fork
 
     def release_session(self, session_id: str) -> None:
+        self.promised.pop(session_id, None)
         session = self.sessions.pop(session_id, None)
         if session is not None:
             session.block_table.release()
 
     def start_generation(self, session_id: str, params: SamplingParams) -> None:
+        """Start generating on the session once the KV pages its generation may take (up to max_new_tokens) are free
+        beside what the other generations under way may take: NoFreePages (nothing changed) when they are not now,
+        CapacityError when the cache could never hold them."""
         params.validate()
         for token in params.stop_token_ids:
             if token >= self.model_config.vocab_size:
@@ -213,26 +223,72 @@ class Engine:
         if not params.greedy:
             seed = params.seed if params.seed is not None else secrets.randbits(63)
             generator = torch.Generator(self.device).manual_seed(seed)
+        session = self.session(session_id)
+        growth = self._growth(session, params.max_new_tokens)
+        if growth > self.pool.num_pages - len(session.block_table.pages):
+            raise CapacityError(f"KV cache full: {params.max_new_tokens} new tokens after {session.kv_len} need more "
+                                f"pages than the cache holds ({self.pool.num_pages} pages of {self.config.page_size} "
+                                "tokens)")
+        promised = self.promised.pop(session_id, None)  # NOTE: its prefill kept these pages free: now they are
+        if growth > self.room():
+            if promised is not None:
+                self.promised[session_id] = promised
+            raise NoFreePages(f"KV cache full: the generation needs {growth} more pages, {self.room()} free beside "
+                              "what the generations under way may take")
         decode = self.tokenizer.decode if self.tokenizer else None
         stop = StopChecker(params, self.model_config.eos_token_ids, decode)
-        self.session(session_id).generation = Generation(params, stop, generator)
+        session.generation = Generation(params, stop, generator)
+
+    def end_generation(self, session_id: str) -> None:
+        """The session's generation is over (stopped, or its caller went away, maybe before it started): its growth
+        is no longer owed."""
+        self.promised.pop(session_id, None)
+        session = self.sessions.get(session_id)
+        if session is not None:
+            session.generation = None
+
+    def pages_owed(self) -> int:
+        """Pages the generations under way may still take beyond those they hold (each to its max_new_tokens; a
+        step's tree never reaches past that): prompts and new generations wait until they fit beside these (the
+        verifier's admission queue), so a generation under way never finds the cache full."""
+        running = sum(self._growth(s, s.generation.stop.max_new_tokens - len(s.generation.stop.generated))
+                      for s in self.sessions.values() if s.generation is not None)
+        tables = [(self.sessions[sid].block_table, end) for sid, end in self.promised.items() if sid in self.sessions]
+        return running + sum(max(0, table.pages_for(end) - len(table.pages)) for table, end in tables)
+
+    def room(self) -> int:
+        """Free pages that no generation under way may claim."""
+        return self.pool.num_free - self.pages_owed()
+
+    def _growth(self, session: Session, new_tokens: int) -> int:
+        end = min(session.kv_len + new_tokens, self.max_context)  # NOTE: a step's tree stops there too (_check_tree)
+        return max(0, session.block_table.pages_for(end) - len(session.block_table.pages))
 
     # ---- prefill --------------------------------------------------------------------------------
 
     def _begin_prefill(self, session: Session, new_tokens: list[int], feature_tail: int,
-                       register: Callable[[Session], None] | None) -> Prefill:
-        """Check the tokens and that their pages fit now (the first chunk reserves them)."""
+                       register: Callable[[Session], None] | None, then_generate: int = 0) -> Prefill:
+        """Check the tokens, and that their pages would fit in a cache that held this session alone (whether they
+        fit now is `Prefill.reserve`'s question: the first chunk takes them)."""
         vocab = self.model_config.vocab_size
         bad = next((t for t in new_tokens if not 0 <= t < vocab), None)
         if bad is not None:
             raise InvalidArgument(f"prompt token {bad} is outside the vocabulary [0, {vocab})")
-        prefill = Prefill(session, new_tokens, feature_tail, self.prefill_chunk, self.kv, self._prefill_chunk, register)
+        grows_to = min(len(session.tokens) + len(new_tokens) - 1 + then_generate, self.max_context)
+        prefill = Prefill(session, new_tokens, feature_tail, self.prefill_chunk, self.kv, self._prefill_chunk, register,
+                          self.room, grows_to, self._keep_for_generation)
         if len(prefill.tokens) > self.max_context:
             raise InvalidArgument(f"prompt of {len(prefill.tokens)} tokens exceeds max_context {self.max_context}")
-        if not self.pool.can_allocate(session.block_table.pages_needed(prefill.start, prefill.end)):
-            raise CapacityError(f"KV cache full: a prompt of {len(prefill.tokens)} tokens does not fit "
-                                f"({self.pool.num_free} pages free)")
+        if prefill.pages_to_keep > self.pool.num_pages - len(session.block_table.pages):
+            raise CapacityError(f"KV cache full: a prompt of {len(prefill.tokens)} tokens"
+                                + (f" and {then_generate} new tokens" if then_generate else "")
+                                + f" need more pages than the cache holds ({self.pool.num_pages} pages of "
+                                f"{self.config.page_size} tokens)")
         return prefill
+
+    def _keep_for_generation(self, prefill: Prefill) -> None:
+        if prefill.grows_to > prefill.end:
+            self.promised[prefill.session.session_id] = prefill.grows_to
 
     def _prefill_chunk(self, block_table: BlockTable, tokens: list[int], start: int, end: int) -> torch.Tensor | None:
         """Positions [start, end) into the pages; returns their target features."""
@@ -282,7 +338,10 @@ class Engine:
         if room < 1:
             raise InvalidArgument(f"the session holds {len(session.tokens)} tokens: the model's context of "
                                  f"{self.max_context} is full")
-        return tree.truncated(room - 1)  # NOTE: the next root needs one position too
+        # NOTE: the next root needs one position too; a deeper node than the tokens the generation may still emit
+        # could never be emitted, and the pages for it were not kept free (pages_owed)
+        left = session.generation.stop.max_new_tokens - len(session.generation.stop.generated)
+        return tree.truncated(min(room, left) - 1)
 
     def _choose(self, hidden: torch.Tensor, generations: list[Generation], offsets: list[int]) -> torch.Tensor:
         """The target's own token at every verify row ([N], on the device); session i has rows

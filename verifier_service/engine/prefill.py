@@ -12,7 +12,7 @@ import torch
 
 from verifier_service.engine.kv_cache import KVCache
 from verifier_service.engine.session import Session
-from verifier_service.errors import PrefillStopped
+from verifier_service.errors import NoFreePages, PrefillStopped
 
 # (block table, tokens, chunk start, chunk end) -> the chunk's target features (None without feature layers)
 ChunkForward = Callable[..., torch.Tensor | None]
@@ -30,17 +30,48 @@ def chunk_bounds(start: int, end: int, chunk: int) -> list[tuple[int, int]]:
 
 class Prefill:
     def __init__(self, session: Session, new_tokens: list[int], feature_tail: int, chunk: int, kv: KVCache,
-                 forward_chunk: ChunkForward, register: Callable[[Session], None] | None):
-        """Holds nothing until the first `advance()`, which reserves the pages of all new positions (a prefill
-        object dropped before it leaks nothing). `register` adds a new session to the engine once its prompt is
-        in (None: the session exists already)."""
+                 forward_chunk: ChunkForward, register: Callable[[Session], None] | None, room: Callable[[], int],
+                 grows_to: int, on_reserved: Callable[[Prefill], None]):
+        """Holds nothing until `reserve()` or the first `advance()` takes the pages of all new positions (a
+        prefill object dropped before that leaks nothing). `register` adds a new session to the engine once its
+        prompt is in (None: the session exists already); `room()`: the free pages it may take (Engine.room);
+        `grows_to`: the positions the session may reach, its generation after the prompt included: the pages up
+        to there must be free too, and `on_reserved(self)` keeps those beyond the prompt's for the generation."""
         self.session, self.feature_tail, self.kv = session, feature_tail, kv
         self.tokens = session.tokens + new_tokens
         self.start, self.end = (session.kv_len if session.tokens else 0), len(self.tokens) - 1
         self.chunks = chunk_bounds(self.start, self.end, chunk)
-        self.forward_chunk, self.register = forward_chunk, register
-        self.next_chunk, self.finished, self.aborted = 0, False, False
+        self.forward_chunk, self.register, self.room = forward_chunk, register, room
+        self.grows_to, self.on_reserved = grows_to, on_reserved
+        self.next_chunk, self.finished, self.aborted, self.reserved = 0, False, False, False
         self.tail: list[torch.Tensor] = []
+
+    @property
+    def pages_needed(self) -> int:
+        """The pages the new positions take beyond what the session holds (fresh copies of shared ones included)."""
+        return self.session.block_table.pages_needed(self.start, self.end)
+
+    @property
+    def pages_to_keep(self) -> int:
+        """pages_needed, plus the pages the generation after it may take."""
+        table = self.session.block_table
+        return self.pages_needed + max(0, table.pages_for(self.grows_to) - max(len(table.pages),
+                                                                               table.pages_for(self.end)))
+
+    def reserve(self) -> bool:
+        """Take the pages of every new position if they, and those of the generation after, are free beside what
+        the generations under way may take; False (nothing taken) if they are not."""
+        if not self.reserved:
+            if self.pages_to_keep > self.room():
+                return False
+            try:
+                self.session.block_table.prepare_write(self.start, self.end, self.kv)
+            except BaseException:
+                self.abort()
+                raise
+            self.reserved = True
+            self.on_reserved(self)
+        return True
 
     @property
     def done(self) -> int:
@@ -57,13 +88,16 @@ class Prefill:
         return torch.cat(self.tail)[-self.feature_tail:] if self.tail else None
 
     def advance(self) -> bool:
-        """Prefill the next chunk; True once the whole prompt is in (the session then holds its tokens). On any
-        error the prefill is aborted: the session is as it was before."""
+        """Prefill the next chunk; True once the whole prompt is in (the session then holds its tokens). The first
+        takes the pages of every new position: NoFreePages, with nothing taken and nothing aborted, when the pool
+        does not have them now (the caller may wait for pages and call again). On any other error the prefill is
+        aborted: the session is as it was before."""
         if self.aborted:
             raise PrefillStopped("the prefill was aborted")
+        if not self.reserve():
+            raise NoFreePages(f"KV cache full: a prompt of {len(self.tokens)} tokens needs {self.pages_to_keep} more "
+                              f"pages, {self.room()} free beside what the generations under way may take")
         try:
-            if self.next_chunk == 0:
-                self.session.block_table.prepare_write(self.start, self.end, self.kv)
             if self.next_chunk < len(self.chunks):
                 chunk_start, chunk_end = self.chunks[self.next_chunk]
                 features = self.forward_chunk(self.session.block_table, self.tokens, chunk_start, chunk_end)
