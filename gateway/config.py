@@ -9,7 +9,7 @@ from proto.security import NO_AUTH, InternalAuth, Tls
 
 @dataclass(frozen=True)
 class GatewayConfig:
-    verifiers: tuple[str, ...]  # addresses; a new session goes to the one with the most free KV pages
+    verifiers: tuple[str, ...]  # addresses; a new session goes to the one with the most KV room (gateway/verifiers.py)
     tokenizer_dir: str  # the target checkpoint's directory (its tokenizer.json)
     listen: str = "[::]:50051"
     # The OpenAI-compatible HTTP API (host:port), on the same event loop as gRPC; "" = off. Off unless asked:

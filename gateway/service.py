@@ -111,7 +111,7 @@ class GatewayService:
     # -- sessions
 
     async def create_session(self, caller: Caller, prompt: list[int]) -> gateway_pb2.CreateSessionReply:
-        """Prefill `prompt` on the verifier with the most free pages; hand back a new handle."""
+        """Prefill `prompt` on the verifier with the most KV room (VerifierPool.pick); hand back a new handle."""
         address = self.pool.pick()
         self._check_room(caller.account, len(prompt))
         reply = await self.pool.stub(address).CreateSession(

@@ -14,8 +14,9 @@ from proto.security import NO_AUTH, InternalAuth
 
 
 class VerifierPool:
-    """One channel per verifier address. A new session goes to the verifier with the most free KV
-    pages by its last Info, among those that answer and call themselves SERVING (ties in turn); a
+    """One channel per verifier address. A new session goes to the verifier with no requests waiting for KV pages
+    and the most room (pages free beside what its generations under way may take) by its last Info, among those
+    that answer and call themselves SERVING (ties in turn); a
     session's later calls go to the verifier recorded in its registry entry, never through `pick`.
 
     NOTE: create it inside the running event loop (grpc.aio channels bind to it).
@@ -73,8 +74,8 @@ class VerifierPool:
         candidates = self.up
         if not candidates:
             raise NoVerifier("no verifier is serving now; retry later")
-        most_free = max(self._free_pages(a) for a in candidates)
-        best = [a for a in candidates if self._free_pages(a) == most_free]
+        most_room = max(self._room(a) for a in candidates)
+        best = [a for a in candidates if self._room(a) == most_room]
         self._turn += 1
         return best[self._turn % len(best)]
 
@@ -82,9 +83,10 @@ class VerifierPool:
         """KV tokens the serving verifiers hold in all (what quotas divide)."""
         return sum(info.kv_capacity_pages * info.page_size for info in self.infos.values() if info is not None)
 
-    def _free_pages(self, address: str) -> int:
+    def _room(self, address: str) -> tuple[bool, int]:
+        """How much room a verifier has for a new session: no queue first, then the pages it can give now."""
         info = self.infos[address]
-        return -1 if info is None else info.free_pages
+        return (False, -1) if info is None else (info.waiting_requests == 0, info.room_pages)
 
     async def close(self) -> None:
         await asyncio.gather(*(s.close() for s in self._streams.values()))

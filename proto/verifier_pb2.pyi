@@ -154,7 +154,7 @@ class VerifierInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class VerifierInfoReply(_message.Message):
-    __slots__ = ("model_name", "page_size", "kv_capacity_pages", "free_pages", "max_context", "vocab_size", "eos_token_ids", "active_sessions", "max_tree_nodes", "session_lease_s", "dtype", "device", "cuda_graphs", "drafters_connected")
+    __slots__ = ("model_name", "page_size", "kv_capacity_pages", "free_pages", "max_context", "vocab_size", "eos_token_ids", "active_sessions", "max_tree_nodes", "session_lease_s", "dtype", "device", "cuda_graphs", "drafters_connected", "room_pages", "waiting_requests")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
     KV_CAPACITY_PAGES_FIELD_NUMBER: _ClassVar[int]
@@ -169,6 +169,8 @@ class VerifierInfoReply(_message.Message):
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     CUDA_GRAPHS_FIELD_NUMBER: _ClassVar[int]
     DRAFTERS_CONNECTED_FIELD_NUMBER: _ClassVar[int]
+    ROOM_PAGES_FIELD_NUMBER: _ClassVar[int]
+    WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     page_size: int
     kv_capacity_pages: int
@@ -183,4 +185,6 @@ class VerifierInfoReply(_message.Message):
     device: str
     cuda_graphs: int
     drafters_connected: int
-    def __init__(self, model_name: _Optional[str] = ..., page_size: _Optional[int] = ..., kv_capacity_pages: _Optional[int] = ..., free_pages: _Optional[int] = ..., max_context: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., active_sessions: _Optional[int] = ..., max_tree_nodes: _Optional[int] = ..., session_lease_s: _Optional[float] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., cuda_graphs: _Optional[int] = ..., drafters_connected: _Optional[int] = ...) -> None: ...
+    room_pages: int
+    waiting_requests: int
+    def __init__(self, model_name: _Optional[str] = ..., page_size: _Optional[int] = ..., kv_capacity_pages: _Optional[int] = ..., free_pages: _Optional[int] = ..., max_context: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., active_sessions: _Optional[int] = ..., max_tree_nodes: _Optional[int] = ..., session_lease_s: _Optional[float] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., cuda_graphs: _Optional[int] = ..., drafters_connected: _Optional[int] = ..., room_pages: _Optional[int] = ..., waiting_requests: _Optional[int] = ...) -> None: ...

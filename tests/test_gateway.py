@@ -57,6 +57,7 @@ class FakeVerifier(verifier_pb2_grpc.VerifierServicer):
         self.fail_mid_stream = False
         self.step_delay_s = 0.0
         self.reserved_pages = 0
+        self.waiting = 0  # requests waiting for KV pages, as Info reports them
         self.renewed: list[str] = []
         self._ids = 0
 
@@ -108,7 +109,8 @@ class FakeVerifier(verifier_pb2_grpc.VerifierServicer):
         used = sum(math.ceil(len(t) / PAGE) for t in self.sessions.values()) + self.reserved_pages
         return verifier_pb2.VerifierInfoReply(model_name="fake", page_size=PAGE, kv_capacity_pages=CAPACITY,
                                               free_pages=CAPACITY - used, max_context=4096, vocab_size=320,
-                                              eos_token_ids=[256], active_sessions=len(self.sessions))
+                                              eos_token_ids=[256], active_sessions=len(self.sessions),
+                                              room_pages=CAPACITY - used, waiting_requests=self.waiting)
 
     async def GenerateStream(self, request_iterator, context):
         def generation(message: verifier_pb2.VerifierStreamRequest, slot):
@@ -306,7 +308,7 @@ def test_sessions_create_continue_fork_release_list(env) -> None:
     assert all(not fake.sessions for fake in env.fakes)
 
 
-def test_new_sessions_go_to_the_verifier_with_most_free_pages(env) -> None:
+def test_new_sessions_go_to_the_verifier_with_no_queue_and_most_room(env) -> None:
     fake_a, fake_b = env.fakes
     fake_a.reserved_pages = 500
     env.stack.run(env.plain.service.refresh())
@@ -315,7 +317,13 @@ def test_new_sessions_go_to_the_verifier_with_most_free_pages(env) -> None:
         assert len(fake_b.sessions) == 3 and not fake_a.sessions
         for h in handles:
             c.release_session(h)
-    fake_a.reserved_pages = 0
+    fake_b.waiting = 1  # requests wait for pages there: the one with less room but no queue gets the next
+    env.stack.run(env.plain.service.refresh())
+    with client(env.plain) as c:
+        handle = c.create_session("x").session.session
+        assert len(fake_a.sessions) == 1 and not fake_b.sessions
+        c.release_session(handle)
+    fake_a.reserved_pages, fake_b.waiting = 0, 0
     env.stack.run(env.plain.service.refresh())
     with client(env.plain) as c:  # equal free pages: in turn
         handles = [c.create_session("x").session.session for _ in range(2)]

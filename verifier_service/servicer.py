@@ -182,4 +182,5 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             max_tree_nodes=engine.config.max_tree_nodes, session_lease_s=self.service.leases.lease_s,
             dtype=str(engine.config.torch_dtype).removeprefix("torch."), device=str(engine.device),
             cuda_graphs=len(engine.graphs.graphs) if engine.graphs is not None else 0,
-            drafters_connected=len(self.service.drafters.usable_links()) if self.service.drafters else 0)
+            drafters_connected=len(self.service.drafters.usable_links()) if self.service.drafters else 0,
+            room_pages=max(0, engine.room()), waiting_requests=self.service.admission.waiting)

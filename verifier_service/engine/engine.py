@@ -251,9 +251,11 @@ class Engine:
         """Pages the generations under way may still take beyond those they hold (each to its max_new_tokens; a
         step's tree never reaches past that): prompts and new generations wait until they fit beside these (the
         verifier's admission queue), so a generation under way never finds the cache full."""
+        # NOTE: copies first: the service's Info reads this on the event loop while the engine thread works
+        sessions, promised = dict(self.sessions), list(self.promised.items())
         running = sum(self._growth(s, s.generation.stop.max_new_tokens - len(s.generation.stop.generated))
-                      for s in self.sessions.values() if s.generation is not None)
-        tables = [(self.sessions[sid].block_table, end) for sid, end in self.promised.items() if sid in self.sessions]
+                      for s in sessions.values() if s.generation is not None)
+        tables = [(sessions[sid].block_table, end) for sid, end in promised if sid in sessions]
         return running + sum(max(0, table.pages_for(end) - len(table.pages)) for table, end in tables)
 
     def room(self) -> int:
