@@ -263,8 +263,9 @@ class Engine:
         return self.pool.num_free - self.pages_owed()
 
     def _growth(self, session: Session, new_tokens: int) -> int:
+        """New pages that `new_tokens` more positions take (a fork's copy of a shared page they write into too)."""
         end = min(session.kv_len + new_tokens, self.max_context)  # NOTE: a step's tree stops there too (_check_tree)
-        return max(0, session.block_table.pages_for(end) - len(session.block_table.pages))
+        return session.block_table.pages_needed(session.kv_len, max(end, session.kv_len))
 
     # ---- prefill --------------------------------------------------------------------------------
 
