@@ -104,13 +104,15 @@ def test_a_prompt_waits_for_a_released_session_and_one_larger_than_the_cache_fai
         holder = await service.create_session(prompt_of(90, 1))  # 6 pages of the 8
         waiting = asyncio.ensure_future(service.create_session(waiting_prompt))
         await until(lambda: service.admission.waiting == 1)
-        assert metrics.waiting_prefills.collect()[0].samples[0].value == 1
+        assert metrics.waiting_requests.collect()[0].samples[0].value == 1
         with pytest.raises(CapacityError, match="more pages than the cache holds"):
             await service.create_session(prompt_of(200, 3))
         await asyncio.sleep(0.1)
         assert not waiting.done() and engine.pool.num_free == 2
         await service.release_session(holder.session_id)
         session = await asyncio.wait_for(waiting, 5)
+        (waited,) = [s.value for s in metrics.admission_wait_seconds.collect()[0].samples if s.name.endswith("_count")]
+        assert waited == 1
         tokens = [t async for e in service.generate(session.session_id, [], GREEDY, False)
                   if isinstance(e, StepEvent) for t in e.result.emitted]
         short = VerifierService(engine, None, VerifierMetrics(), admission_timeout_s=0.2)

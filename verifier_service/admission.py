@@ -25,9 +25,10 @@ RECHECK_S = 0.5  # the longest a waiting prefill goes without looking at the poo
 
 
 class KVAdmission:
-    def __init__(self, timeout_s: float):
-        """timeout_s: how long a prefill may wait for pages (0: it fails at once, as without a queue)."""
-        self.timeout_s = timeout_s
+    def __init__(self, timeout_s: float, observe: Callable[[float], None] = lambda seconds: None):
+        """timeout_s: how long a request may wait for pages (0: it fails at once, as without a queue); `observe`
+        takes each wait's seconds, however it ended."""
+        self.timeout_s, self.observe = timeout_s, observe
         self._queue: deque[object] = deque()
         self._changes = 0  # pages freed or the queue's head gone: a waiter that saw none may sleep
         self._changed = asyncio.Event()
@@ -50,7 +51,8 @@ class KVAdmission:
         queue."""
         ticket = object()
         self._queue.append(ticket)
-        deadline = time.monotonic() + self.timeout_s
+        started = time.monotonic()
+        deadline = started + self.timeout_s
         try:
             while True:
                 seen = self._changes
@@ -67,3 +69,4 @@ class KVAdmission:
         finally:
             self._queue.remove(ticket)
             self._wake()  # NOTE: the next one in the queue may go now
+            self.observe(time.monotonic() - started)

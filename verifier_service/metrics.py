@@ -48,17 +48,20 @@ class VerifierMetrics:
         self.sessions = Gauge("ddtree_verifier_sessions", "Open sessions", registry=r)
         self.generating = Gauge("ddtree_verifier_generating_sessions", "Sessions with a generation running",
                                 registry=r)
-        self.waiting_prefills = Gauge("ddtree_verifier_waiting_prefills", "Prefills waiting for free KV pages",
-                                      registry=r)
+        self.waiting_requests = Gauge("ddtree_verifier_waiting_requests", "Prompts and generations waiting for free "
+                                      "KV pages", registry=r)
+        self.admission_wait_seconds = Histogram("ddtree_verifier_admission_wait_seconds", "How long a prompt or a "
+                                                "generation that found the KV cache full waited for its pages (those "
+                                                "that gave up included)", registry=r)
 
-    def watch(self, engine: Engine, generating: Collection[str], waiting_prefills: Callable[[], int]) -> None:
+    def watch(self, engine: Engine, generating: Collection[str], waiting_requests: Callable[[], int]) -> None:
         """The gauges read the engine when scraped, so they show sessions and pages as they are."""
         pool = engine.pool
         self.kv_pages_free.set_function(lambda: pool.num_free)
         self.kv_pages_used.set_function(lambda: pool.num_pages - pool.num_free)
         self.sessions.set_function(lambda: len(engine.sessions))
         self.generating.set_function(lambda: len(generating))
-        self.waiting_prefills.set_function(waiting_prefills)
+        self.waiting_requests.set_function(waiting_requests)
 
     def serve(self, port: int, addr: str = "127.0.0.1") -> None:
         """/metrics over HTTP; loopback unless told otherwise (containers pass 0.0.0.0 to be scraped)."""

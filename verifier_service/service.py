@@ -77,7 +77,7 @@ class VerifierService:
         self.policies: dict[str, AdaptiveBudget] = {}  # adaptive sessions' policies, across their generations
         self.worker = EngineWorker(inline_steps)
         self.prefill_turns = PrefillTurns()
-        self.admission = KVAdmission(admission_timeout_s)
+        self.admission = KVAdmission(admission_timeout_s, metrics.admission_wait_seconds.observe)
         self.generating: set[str] = set()
         self.leases = SessionLeases(lease_s)
         self.background: set[asyncio.Task] = set()  # aborted prefills, releases of sessions whose caller went away
