@@ -325,6 +325,16 @@ def test_a_session_whose_draft_pays_only_for_itself_does_not_hold_up_the_batch()
     assert planner.plan([Offer(MAX), offer(1)] + [offer(0)] * 14, 500)[:2] == [MAX, 1]
 
 
+def test_a_draft_round_hidden_under_another_cohorts_step_costs_nothing() -> None:
+    """With --step-cohorts, a cohort's drafts are out while another cohort's step runs: a round no longer than that
+    step costs the pass nothing, so drafts that gain less than a slow round's wait are still worth it."""
+    planner = BudgetPlanner(measured_costs(round_s=0.05))
+    offers = [offer(1)] * 16
+    assert planner.plan(offers, 500) == [0] * 16  # NOTE: a 50 ms round for one more token each: not worth it
+    assert planner.plan(offers, 500, hidden_s=0.05) == [1] * 16
+    assert planner.plan(offers, 500, hidden_s=0.01) == [0] * 16  # NOTE: 40 ms of the round still waited for
+
+
 def test_idle_sessions_are_probed_together_within_the_share() -> None:
     """Sessions whose records say their drafts fail are probed all in one pass (one draft round for all), the first
     probe soon, later ones at intervals that keep the probes under 3% of the batch's time."""

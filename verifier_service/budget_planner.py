@@ -47,15 +47,16 @@ class BudgetPlanner:
         self.since_probe = 0  # passes since the last probe
         self.vain_probes = 0  # probes since the last pass in which drafting paid for a free session
 
-    def plan(self, offers: list[Offer], context: int, besides: int = 0) -> list[int]:
+    def plan(self, offers: list[Offer], context: int, besides: int = 0, hidden_s: float = 0.0) -> list[int]:
         """The budgets of `offers`' sessions in a pass where `besides` more sessions step plainly; `context`: the
-        sessions' mean KV length."""
+        sessions' mean KV length; `hidden_s`: the engine's work for other cohorts while this pass's drafts are out
+        (`--step-cohorts`), which a draft round no longer than it costs nothing beside."""
         self.since_probe += 1
         budgets = [offer.pinned or 0 for offer in offers]
         free = [i for i, offer in enumerate(offers) if offer.pinned is None]
         if not free:
             return budgets
-        pass_ = _Pass(self.costs, offers, free, context, besides)
+        pass_ = _Pass(self.costs, offers, free, context, besides, hidden_s)
         choice = pass_.best_choice()
         if choice.any():
             self.vain_probes = 0
@@ -89,8 +90,9 @@ class _Pass:
     """One pass's plans: the free sessions' candidates (`choice`: an index into the candidates per free session)
     against what the pinned and plain sessions fix."""
 
-    def __init__(self, costs: StepCosts, offers: list[Offer], free: list[int], context: int, besides: int):
-        self.costs, self.context = costs, context
+    def __init__(self, costs: StepCosts, offers: list[Offer], free: list[int], context: int, besides: int,
+                 hidden_s: float = 0.0):
+        self.costs, self.context, self.hidden_s = costs, context, hidden_s
         candidates = offers[free[0]].candidates
         pinned = [offer.pinned for offer in offers if offer.pinned]
         self.fixed_tokens = len(offers) + besides  # NOTE: a pinned session's tokens are the same in every plan
@@ -141,4 +143,6 @@ class _Pass:
         return self.fixed_rows + self.nodes[np.arange(choices.shape[-1]), choices].sum(-1)
 
     def draft_s(self, choices: np.ndarray) -> np.ndarray:
-        return np.maximum(self.fixed_draft_s, self.candidate_draft_s[choices].max(-1))
+        """The part of the draft round the pass waits for: the largest draft's, less the other cohorts' work."""
+        round_s = np.maximum(self.fixed_draft_s, self.candidate_draft_s[choices].max(-1))
+        return np.maximum(round_s - self.hidden_s, 0.0)

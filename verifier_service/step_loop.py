@@ -129,6 +129,7 @@ class StepLoop:
         self.streaming = False  # events went out and the loop has not had a turn since (their readers have work)
         self.deliveries = 0  # batches whose events went out
         self.last_call_seconds = 0.0  # the latest engine call's wall time
+        self.cohort_step_seconds = [0.0] * cohorts  # each cohort's last pass from its drafts in to its end
         self.down_reason: str | None = None
         self.tasks: list[asyncio.Task] = []
 
@@ -244,6 +245,7 @@ class StepLoop:
                   if stepper.session_id not in planned and stepper.cursor.step == 0]
         for batch in self._batches(plans):
             await self._verify(batch, started, drafted)
+        self.cohort_step_seconds[steppers[0].cohort] = time.perf_counter() - drafted
 
     def _plans(self, steppers: list[Stepper]) -> list[_Planned]:
         """The steppers' parts of this pass, in their order: a first step (or any step with no drafter) plain, the
@@ -264,8 +266,10 @@ class StepLoop:
         if not offered:
             return [_Planned(stepper, 0) for stepper in steppers]
         context = sum(stepper.session.kv_len for stepper in steppers if stepper.session_id in offered) // len(offered)
+        # NOTE: with cohorts, the others' steps run while this pass's drafts are out (each runs once meanwhile)
+        hidden_s = sum(self.cohort_step_seconds) - self.cohort_step_seconds[steppers[0].cohort]
         budgets = dict(zip(offered, self.planner.plan(list(offered.values()), context,
-                                                      besides=len(steppers) - len(offered))))
+                                                      besides=len(steppers) - len(offered), hidden_s=hidden_s)))
         return [_Planned(stepper, budgets.get(stepper.session_id, 0)) for stepper in steppers]
 
     async def _draft(self, plans: list[_Planned]) -> None:
