@@ -109,10 +109,15 @@ def test_a_prompt_waits_for_a_released_session_and_one_larger_than_the_cache_fai
             await service.create_session(prompt_of(200, 3))
         await asyncio.sleep(0.1)
         assert not waiting.done() and engine.pool.num_free == 2
+        gone = asyncio.ensure_future(service.create_session(prompt_of(40, 4)))  # behind the first: then cancelled
+        await until(lambda: service.admission.waiting == 2)
+        gone.cancel()
+        await until(lambda: service.admission.waiting == 1)
+        assert engine.pool.num_free == 2 and len(engine.sessions) == 1
         await service.release_session(holder.session_id)
         session = await asyncio.wait_for(waiting, 5)
         (waited,) = [s.value for s in metrics.admission_wait_seconds.collect()[0].samples if s.name.endswith("_count")]
-        assert waited == 1
+        assert waited == 2  # NOTE: the cancelled wait counts too
         tokens = [t async for e in service.generate(session.session_id, [], GREEDY, False)
                   if isinstance(e, StepEvent) for t in e.result.emitted]
         short = VerifierService(engine, None, VerifierMetrics(), admission_timeout_s=0.2)
