@@ -13,7 +13,7 @@ from tests.engine_helpers import GREEDY, make_engine, plain_generate
 from verifier_service.admission import KVAdmission
 from verifier_service.errors import CapacityError, NoFreePages
 from verifier_service.metrics import VerifierMetrics
-from verifier_service.service import VerifierService
+from verifier_service.service import PrefillEvent, VerifierService
 from verifier_service.step_loop import StepEvent
 
 EIGHT_PAGES = 8 * 16 * 2 * 4 * 2 * 16 * 4  # bytes of 8 pages of 16 tokens of the tiny model
@@ -102,6 +102,7 @@ def test_a_prompt_waits_for_a_released_session_and_one_larger_than_the_cache_fai
         service = VerifierService(engine, None, metrics, admission_timeout_s=10)
         await service.start()
         holder = await service.create_session(prompt_of(90, 1))  # 6 pages of the 8
+        appending = await service.create_session([5])  # no page yet: its one token is the pending root
         waiting = asyncio.ensure_future(service.create_session(waiting_prompt))
         await until(lambda: service.admission.waiting == 1)
         assert metrics.waiting_requests.collect()[0].samples[0].value == 1
@@ -113,11 +114,15 @@ def test_a_prompt_waits_for_a_released_session_and_one_larger_than_the_cache_fai
         await until(lambda: service.admission.waiting == 2)
         gone.cancel()
         await until(lambda: service.admission.waiting == 1)
+        assert engine.pool.num_free == 2 and len(engine.sessions) == 2
+        events = service.generate(appending.session_id, prompt_of(30, 5), GREEDY, False)  # a turn that waits too:
+        assert await asyncio.wait_for(anext(events), 5) == PrefillEvent(0, 30)  # its stream says so at once
+        await events.aclose()  # NOTE: the caller goes away: the one-shot's session goes
         assert engine.pool.num_free == 2 and len(engine.sessions) == 1
         await service.release_session(holder.session_id)
         session = await asyncio.wait_for(waiting, 5)
         (waited,) = [s.value for s in metrics.admission_wait_seconds.collect()[0].samples if s.name.endswith("_count")]
-        assert waited == 2  # NOTE: the cancelled wait counts too
+        assert waited == 3  # NOTE: the waits that were cancelled count too
         tokens = [t async for e in service.generate(session.session_id, [], GREEDY, False)
                   if isinstance(e, StepEvent) for t in e.result.emitted]
         short = VerifierService(engine, None, VerifierMetrics(), admission_timeout_s=0.2)

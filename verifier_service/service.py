@@ -164,10 +164,12 @@ class VerifierService:
 
     async def _prefill_chunks(self, prefill: Prefill, report: Callable[[int], None]) -> None:
         """The chunks in turns. The first one takes the prompt's pages; when they are not free it waits in the
-        admission queue, as does a prompt that finds others waiting there already."""
+        admission queue, as does a prompt that finds others waiting there already (and it reports 0 tokens done
+        first: the caller learns that its request is in, and waits)."""
         queued = self.admission.waiting > 0
         while True:
             if queued:
+                report(0)
                 await self.admission.admit(lambda: self._call(prefill.reserve), f"the prompt's {prefill.pages_needed}")
             async with self.prefill_turns.turn(prefill.total) as between:
                 try:
