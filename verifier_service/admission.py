@@ -21,7 +21,7 @@ from collections.abc import Awaitable, Callable
 from verifier_service.errors import CapacityError
 
 DEFAULT_ADMISSION_TIMEOUT_S = 60.0
-RECHECK_S = 0.5  # the longest a waiting prefill goes without looking at the pool again
+RECHECK_S = 0.5  # the longest a waiting request goes without looking at the pool again
 
 
 class KVAdmission:
@@ -38,7 +38,7 @@ class KVAdmission:
         return len(self._queue)
 
     def pages_freed(self) -> None:
-        """Pages went back to the pool: the first waiting prefill looks again."""
+        """Pages went back to the pool: the first waiting request looks again."""
         self._wake()
 
     def _wake(self) -> None:
