@@ -88,10 +88,19 @@ class StartFailed(RuntimeError):
     """A process of the stack did not come up; the message names it, the cause and its log."""
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A port free now that this process has not handed out before: two calls in a row could otherwise name the
+    same port, since neither is bound until its server starts."""
+    while True:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
 
 
 def wait_healthy(address: str, timeout_s: float, process: subprocess.Popen | None = None,
