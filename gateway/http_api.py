@@ -193,13 +193,18 @@ def _named_as(names: Mapping[str, str]) -> Iterator[None]:
 
 
 async def _started(replies: AsyncIterator[Any]) -> AsyncIterator[Any]:
-    """`replies` with its first message awaited now, so that a failure before any output raises here."""
+    """`replies` without prefill progress (OpenAI's replies have no place for it), with its first output awaited now,
+    so that a failure before any output raises here: a prompt that waited for KV pages in vain is a 429, not an
+    error event after a 200."""
     first = await anext(replies)
+    while first.HasField("prefill"):
+        first = await anext(replies)
 
     async def chained() -> AsyncIterator[Any]:
         yield first
         async for message in replies:
-            yield message
+            if not message.HasField("prefill"):
+                yield message
     return chained()
 
 

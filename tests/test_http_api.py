@@ -4,6 +4,7 @@ decoding in this process, usage, stop strings, sessions, and the errors in OpenA
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import urllib.error
@@ -17,8 +18,10 @@ import pytest
 from ddtree.client import Client
 from ddtree.local_stack import LocalStack, free_port
 from gateway.chat_template import ChatTemplate
+from gateway.errors import QuotaExceeded
+from gateway.http_api import _started
 from modeling.tiny import CHAT_TEMPLATE, EOS_TOKEN
-from proto import common_pb2
+from proto import common_pb2, gateway_pb2
 from tests.stack_helpers import greedy_reference, verifier_info
 
 MAX_NEW = 24
@@ -295,3 +298,24 @@ def test_a_client_that_leaves_mid_stream_stops_the_generation(stack, keep: bool)
         (session,) = grpc.list_sessions()
         assert session.num_tokens < 3000
         grpc.release_session(session.session)
+
+
+def test_prefill_progress_is_no_output_so_a_failure_after_it_is_the_replys_own_status() -> None:
+    """A prompt that reports its prefill (at 0 tokens while it waits for KV pages) and then fails before any token:
+    the failure comes out of `_started`, before the reply's status line is written (a 429, not an error event)."""
+    async def replies():
+        yield gateway_pb2.GenerateReply(prefill=common_pb2.PrefillProgress(prefilled_tokens=0, total_tokens=30))
+        raise QuotaExceeded("KV cache full: waited 60 s")
+
+    async def outputs():
+        yield gateway_pb2.GenerateReply(prefill=common_pb2.PrefillProgress(prefilled_tokens=0, total_tokens=30))
+        yield gateway_pb2.GenerateReply(chunk=gateway_pb2.GenerateChunk(token_ids=[5]))
+        yield gateway_pb2.GenerateReply(prefill=common_pb2.PrefillProgress(prefilled_tokens=10, total_tokens=30))
+
+    with pytest.raises(QuotaExceeded):
+        asyncio.run(_started(replies()))
+
+    async def read() -> list:
+        return [message async for message in await _started(outputs())]
+
+    assert [message.WhichOneof("kind") for message in asyncio.run(read())] == ["chunk"]
