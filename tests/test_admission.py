@@ -163,6 +163,11 @@ def test_a_generation_starts_only_when_its_growth_fits_beside_those_under_way(ti
     assert second.session_id not in engine.promised and engine.pages_owed() == 2
     with pytest.raises(CapacityError, match="more pages than the cache holds"):
         engine.start_generation(first.session_id, replace(GREEDY, max_new_tokens=200))
+    engine.end_generation(second.session_id)
+    aborted = engine.begin_extend(first.session_id, prompt_of(16, 4), then_generate=32)
+    assert aborted.reserve() and first.session_id in engine.promised
+    aborted.abort()  # its caller went away before the prompt was in: neither its pages nor its promise stay
+    assert first.session_id not in engine.promised and engine.room() == 8 - 2 - 3
 
 
 def test_more_prompts_than_the_cache_holds_at_once_all_finish_exactly(tiny_target) -> None:

@@ -61,15 +61,22 @@ def test_concurrent_prompts_prefill_one_after_another_and_stay_exact(tiny_target
     """Two prompts of 8 chunks sent together prefill one after the other (before: a chunk of each in turn, so both
     first tokens came at the end), and a prompt of 2 chunks sent during them goes ahead of their remaining chunks.
     Every output equals plain greedy decoding."""
-    engine = make_engine(tiny_target)
+    engine, metrics = make_engine(tiny_target), VerifierMetrics()
     chunks: list[int] = []
+    waiting: list[float] = []  # the waiting-prefills gauge at each chunk
     prefill_chunk = engine._prefill_chunk
-    engine._prefill_chunk = lambda table, tokens, *span: chunks.append(tokens[0]) or prefill_chunk(table, tokens, *span)
+
+    def counted_chunk(table, tokens, *span):
+        chunks.append(tokens[0])
+        waiting.append(metrics.waiting_prefills.collect()[0].samples[0].value)
+        return prefill_chunk(table, tokens, *span)
+
+    engine._prefill_chunk = counted_chunk
     prompts = {name: [first] + [1 + i % 250 for i in range(length - 1)]
                for name, first, length in (("first", 7, 8 * 24), ("second", 8, 8 * 24), ("short", 9, 2 * 24))}
 
     async def main() -> dict[str, list[int]]:
-        service = VerifierService(engine, None, VerifierMetrics())
+        service = VerifierService(engine, None, metrics)
         await service.start()
 
         async def run(name: str, arrive_after_chunks: int = 0) -> list[int]:
@@ -89,5 +96,6 @@ def test_concurrent_prompts_prefill_one_after_another_and_stay_exact(tiny_target
     # each prompt's chunks in one run, the short one's as soon as it came, the second prompt's after the first's
     assert sorted(order) == sorted("f" * 8 + "s" * 8 + "x" * 2)
     assert order.index("x") >= 3 and "xx" in order and order.replace("xx", "") == "f" * 8 + "s" * 8
+    assert max(waiting) >= 1 and waiting[-1] == 0  # the second prompt waits while the first's chunks run
     for name, tokens in outputs.items():
         assert tokens == plain_generate(engine, prompts[name])

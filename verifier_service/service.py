@@ -82,7 +82,7 @@ class VerifierService:
         self.leases = SessionLeases(lease_s)
         self.background: set[asyncio.Task] = set()  # aborted prefills, releases of sessions whose caller went away
         self.reaper: asyncio.Task | None = None
-        metrics.watch(engine, self.generating, lambda: self.admission.waiting)
+        metrics.watch(engine, self.generating, lambda: self.admission.waiting, lambda: self.prefill_turns.waiting)
         self.loop = StepLoop(engine, self.worker, drafters, metrics, self.step_costs, step_cohorts)
         self.down_reason: str | None = None  # set once the engine is down: every engine call fails with it
         self.down_signal: asyncio.Future | None = None  # done once the engine is down; what engine calls race

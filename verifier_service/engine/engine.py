@@ -279,7 +279,7 @@ class Engine:
             raise InvalidArgument(f"prompt token {bad} is outside the vocabulary [0, {vocab})")
         grows_to = min(len(session.tokens) + len(new_tokens) - 1 + then_generate, self.max_context)
         prefill = Prefill(session, new_tokens, feature_tail, self.prefill_chunk, self.kv, self._prefill_chunk, register,
-                          self.room, grows_to, self._keep_for_generation)
+                          self.room, grows_to, self.promised)
         if len(prefill.tokens) > self.max_context:
             raise InvalidArgument(f"prompt of {len(prefill.tokens)} tokens exceeds max_context {self.max_context}")
         if prefill.pages_to_keep > self.pool.num_pages - len(session.block_table.pages):
@@ -288,10 +288,6 @@ class Engine:
                                 + f" need more pages than the cache holds ({self.pool.num_pages} pages of "
                                 f"{self.config.page_size} tokens)")
         return prefill
-
-    def _keep_for_generation(self, prefill: Prefill) -> None:
-        if prefill.grows_to > prefill.end:
-            self.promised[prefill.session.session_id] = prefill.grows_to
 
     def _prefill_chunk(self, block_table: BlockTable, tokens: list[int], start: int, end: int) -> torch.Tensor | None:
         """Positions [start, end) into the pages; returns their target features."""

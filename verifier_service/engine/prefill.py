@@ -31,18 +31,19 @@ def chunk_bounds(start: int, end: int, chunk: int) -> list[tuple[int, int]]:
 class Prefill:
     def __init__(self, session: Session, new_tokens: list[int], feature_tail: int, chunk: int, kv: KVCache,
                  forward_chunk: ChunkForward, register: Callable[[Session], None] | None, room: Callable[[], int],
-                 grows_to: int, on_reserved: Callable[[Prefill], None]):
+                 grows_to: int, promised: dict[str, int]):
         """Holds nothing until `reserve()` or the first `advance()` takes the pages of all new positions (a
         prefill object dropped before that leaks nothing). `register` adds a new session to the engine once its
         prompt is in (None: the session exists already); `room()`: the free pages it may take (Engine.room);
         `grows_to`: the positions the session may reach, its generation after the prompt included: the pages up
-        to there must be free too, and `on_reserved(self)` keeps those beyond the prompt's for the generation."""
+        to there must be free too, and `promised` (Engine.promised) keeps those beyond the prompt's for the generation
+        from then on, until the generation ends or this prefill aborts."""
         self.session, self.feature_tail, self.kv = session, feature_tail, kv
         self.tokens = session.tokens + new_tokens
         self.start, self.end = (session.kv_len if session.tokens else 0), len(self.tokens) - 1
         self.chunks = chunk_bounds(self.start, self.end, chunk)
         self.forward_chunk, self.register, self.room = forward_chunk, register, room
-        self.grows_to, self.on_reserved = grows_to, on_reserved
+        self.grows_to, self.promised = grows_to, promised
         self.next_chunk, self.finished, self.aborted, self.reserved = 0, False, False, False
         self.tail: list[torch.Tensor] = []
 
@@ -70,7 +71,8 @@ class Prefill:
                 self.abort()
                 raise
             self.reserved = True
-            self.on_reserved(self)
+            if self.grows_to > self.end:
+                self.promised[self.session.session_id] = self.grows_to
         return True
 
     @property
@@ -118,9 +120,12 @@ class Prefill:
         self.finished = True
 
     def abort(self) -> None:
-        """Give back the pages of the new positions (a no-op once finished or aborted)."""
+        """Give back the pages of the new positions and the generation's promise (a no-op once finished or
+        aborted)."""
         if not self.finished and not self.aborted:
             self.aborted = True
+            if self.reserved:
+                self.promised.pop(self.session.session_id, None)
             self.session.block_table.truncate(self.start)  # NOTE: positions before `start` were never touched
 
     def run(self, should_stop: Callable[[], bool], on_progress: Callable[[int, int], None]) -> torch.Tensor | None:
