@@ -39,7 +39,7 @@ class DFlashDrafter:
             features = self.weight.new_zeros(0, self.info.feature_dim)
         if features.ndim != 2 or features.shape != (rows, self.info.feature_dim):
             raise ValueError(f"{field} must be [{rows}, {self.info.feature_dim}], got {list(features.shape)}")
-        return features.to(device=self.weight.device, dtype=self.weight.dtype)
+        return features.to(dtype=self.weight.dtype)  # NOTE: left where it is: the commit moves all rows at once
 
     def open(self, session_id: str, seed: DrafterSeed) -> None:
         if seed.features is None or seed.features.ndim != 2:
@@ -52,7 +52,7 @@ class DFlashDrafter:
 
     @property
     def captured_graphs(self) -> int:
-        return len(self.graphs.captured)
+        return len(self.graphs.captured) + len(self.graphs.committers)
 
     def warmup(self) -> None:
         """Capture the draft graph of every batch size now, rather than in the first batch of each size."""
@@ -73,7 +73,7 @@ class DFlashDrafter:
         for step in steps:
             if step.position < self.mirrors.context_length(step.session_id):
                 self.mirrors.crop(step.session_id, step.position)  # the verifier rolled back (a stop)
-        batch = self.mirrors.commit(checked)
+        batch = self.mirrors.commit(checked, self.graphs.write)
         budgets = [min(s.budget, self.info.max_budget) for s in steps]
         values, ids = self.graphs.run(batch, max(budgets))  # [S, B-1, max budget] on the host
         return trees_from_top_k(values, ids, budgets)

@@ -7,12 +7,16 @@ per-slot position array says what each row holds (-1 = empty); a draft batch jus
 keeps what its queries can see (the sliding window, the serving window W) plus one block of slack, so a
 rollback of up to one block (crop) drafts exactly as a mirror that never went past it. A layer with no
 bound (no W, not sliding) grows its buffers, and moves them, as sessions grow: drafts then run eagerly.
+
+When every layer is bounded, a step's committed rows are stored by `write_rows`, whose shapes come from the row
+count alone (no host reads, no data-dependent indexing), so DraftGraphs can replay it from a CUDA graph; bounded
+layers then keep one extra slot, `dump_slot`, where the padding rows of such a graph go.
 """
 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -29,6 +33,18 @@ class DraftBatch(NamedTuple):
     slots: list[int]
     roots: list[int]
     starts: list[int]  # committed length n: the block sits at positions n..n+B-1
+
+
+class RowBatch(NamedTuple):
+    """A commit's rows for `write_rows`: row i (features[i]) holds position positions[i] of slot slots[i]; no two
+    rows share a slot's ring row in any layer."""
+
+    features: torch.Tensor  # [N, F] in the model's dtype, on the host or the model's device
+    slots: list[int]
+    positions: list[int]
+
+
+RowWriter = Callable[[RowBatch], None]
 
 
 @dataclass
@@ -62,7 +78,8 @@ class DFlashMirrors:
         self.model, self.context_window, self.max_sessions = model, context_window, max_sessions
         visible = [config.visible_context(i, context_window) for i in range(config.model.num_layers)]
         self._retained = [None if v is None else v + config.block_size for v in visible]
-        self.contexts = [self._allocate(max_sessions, r) if r is not None else self._allocate(0, config.block_size)
+        self.dump_slot = max_sessions  # NOTE: bounded layers hold it; no session ever drafts from it
+        self.contexts = [self._allocate(max_sessions + 1, r) if r is not None else self._allocate(0, config.block_size)
                          for r in self._retained]
         self._free = list(range(max_sessions))  # a heap: the lowest free slot goes first
         self._sessions: dict[str, _Mirror] = {}
@@ -117,20 +134,44 @@ class DFlashMirrors:
             heapq.heappush(self._free, mirror.slot)
 
     @torch.inference_mode()
-    def commit(self, steps: Sequence[DraftStep]) -> DraftBatch:
-        """Add each step's committed features (on the model's device and dtype) to its mirror -> the batch's
-        draft inputs. Nothing changes if any step is invalid (unknown or repeated session, stale step)."""
+    def commit(self, steps: Sequence[DraftStep], writer: RowWriter | None = None) -> DraftBatch:
+        """Add each step's committed features (in the model's dtype) to its mirror -> the batch's draft inputs.
+        Nothing changes if any step is invalid (unknown or repeated session, stale step). `writer` stores the
+        rows when every layer is bounded and no step brings more rows than the smallest layer keeps (default
+        `write_rows` right now); other commits are stored eagerly here."""
         mirrors = [self._mirror(s.session_id) for s in steps]
         if len({s.session_id for s in steps}) != len(steps):
             raise ValueError("a session may appear once per draft batch")
         for step, mirror in zip(steps, mirrors):
             if mirror.last_step is not None and step.step <= mirror.last_step:
                 raise StaleStep(f"session {step.session_id!r}: step {step.step} <= {mirror.last_step}")
-        if steps:
-            self._write(mirrors, self._project(mirrors, [s.features for s in steps]))
+        features = [s.features for s in steps]
+        if steps and self.bounded and max(f.shape[0] for f in features) <= min(self._retained):
+            counts = [f.shape[0] for f in features]
+            slots = [m.slot for m, count in zip(mirrors, counts) for _ in range(count)]
+            positions = [p for m, count in zip(mirrors, counts) for p in range(m.length, m.length + count)]
+            if slots:
+                (writer or self.write_now)(RowBatch(torch.cat(features), slots, positions))
+            for mirror, count in zip(mirrors, counts):
+                mirror.length += count
+        elif steps:
+            self._write(mirrors, self._project(mirrors, features))
         for step, mirror in zip(steps, mirrors):
             mirror.last_step = step.step
         return DraftBatch([m.slot for m in mirrors], [s.root for s in steps], [m.length for m in mirrors])
+
+    def write_now(self, rows: RowBatch) -> None:
+        """The default RowWriter: the rows' tensors on the device, then write_rows."""
+        device = self.model.fc.weight.device
+        self.write_rows(rows.features.to(device), *torch.tensor([rows.slots, rows.positions], device=device))
+
+    @torch.inference_mode()
+    def write_rows(self, features: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor) -> None:
+        """Store rows of committed features in every layer of bounded mirrors: the K/V of features[i] [N, F] at
+        row positions[i] % C of slot slots[i] ([N] int64), all on the model's device. Shapes depend on N alone,
+        so a CUDA graph can hold this; rows aimed at dump_slot are padding."""
+        for (keys, values), context in zip(self._kv_rows(features, positions), self.contexts):
+            _scatter(context, slots, positions % context.capacity, positions, keys, values)
 
     @torch.inference_mode()
     def draft_batch(self, steps: Sequence[DraftStep]) -> torch.Tensor:
@@ -184,9 +225,7 @@ class DFlashMirrors:
                 position = rows.positions[kept]
                 scatter[capacity] = tuple(t.to(device) for t in (kept, slots[kept], position % capacity, position))
             kept, slot, ring, position = scatter[capacity]
-            context.keys[slot, ring] = keys[kept]
-            context.values[slot, ring] = values[kept]
-            context.positions[slot, ring] = position
+            _scatter(context, slot, ring, position, keys[kept], values[kept])
         for mirror, end in zip(mirrors, ends):
             mirror.length = end
 
@@ -201,12 +240,18 @@ class DFlashMirrors:
                 self.contexts[layer] = _relayout(context, grown)
 
 
+def _scatter(context: LayerContext, slots: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor,
+             keys: torch.Tensor, values: torch.Tensor) -> None:
+    """Each (slot, row) of the layer takes its position and K/V [N, Hkv, D]."""
+    context.keys[slots, rows] = keys
+    context.values[slots, rows] = values
+    context.positions[slots, rows] = positions
+
+
 def _relayout(old: LayerContext, new: LayerContext) -> LayerContext:
     """Move every held row of `old` into the ring of the larger `new` (position p to row p % capacity)."""
     slot, row = (old.positions >= 0).nonzero(as_tuple=True)
     position = old.positions[slot, row]
     ring = position % new.capacity
-    new.keys[slot, ring] = old.keys[slot, row]
-    new.values[slot, ring] = old.values[slot, row]
-    new.positions[slot, ring] = position
+    _scatter(new, slot, ring, position, old.keys[slot, row], old.values[slot, row])
     return new

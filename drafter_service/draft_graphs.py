@@ -1,12 +1,15 @@
-"""The draft forward plus its per-depth top-k, replayed from CUDA graphs, one graph per batch-size bucket.
+"""A draft step replayed from CUDA graphs: the commit of the step's rows (one graph per row-count bucket) and the
+draft forward plus its per-depth top-k (one graph per batch-size bucket).
 
-Run eagerly, the drafter launches a long chain of small kernels per draft and its log_softmax writes
+Run eagerly, the drafter launches a long chain of small kernels per draft: ~200 for the commit alone (the
+features' projection, each layer's K/V, their scatter into the mirrors), and its log_softmax writes
 S * (B-1) * V floats (V = 152k for Qwen3) for the top-k to read K of them. A replay is one launch; inside
 it the top-k turns only the K kept logits into log-probs, and only the [S, B-1, K] results travel to the
 host, where the DDTree heap runs. Every shape in a graph comes from its bucket: the mirror's slot buffers
-never move (a bounded context window), a batch names its sessions by slot, and a batch smaller than its
-bucket is padded with repeats of its first session, whose outputs are dropped. On the CPU, with graphs
-off, or with an unbounded layer (no W), the same function runs eagerly.
+never move (a bounded context window), a batch names its sessions by slot, a batch smaller than its
+bucket is padded with repeats of its first session, whose outputs are dropped, and a commit's padding rows
+go to the mirrors' dump slot. The rows' features reach the device in one copy from pinned memory. On the CPU,
+with graphs off, or with an unbounded layer (no W), the same functions run eagerly.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from typing import NamedTuple
 
 import torch
 
-from drafter_service.dflash_mirrors import DFlashMirrors, DraftBatch
+from drafter_service.dflash_mirrors import DFlashMirrors, DraftBatch, RowBatch
 from drafter_service.tree_builder import top_k_log_probs
 from modeling.graph_capture import buckets, capture
 
@@ -27,8 +30,19 @@ class _Captured(NamedTuple):
     ids: torch.Tensor  # [bucket, B-1, K] int64
 
 
+class _Rows(NamedTuple):
+    """The commit graphs' inputs: features [R, F] and (slots, positions) [2, R], on the device, with their
+    pinned host copies."""
+
+    features: torch.Tensor
+    indices: torch.Tensor
+    host_features: torch.Tensor
+    host_indices: torch.Tensor
+
+
 class DraftGraphs:
-    """Drafts a batch of committed mirrors down to ranked per-depth top-k lists on the host."""
+    """Commits a draft step's rows and drafts a batch of committed mirrors down to ranked per-depth top-k
+    lists on the host."""
 
     def __init__(self, mirrors: DFlashMirrors, top_k: int, cuda_graphs: bool = True):
         """top_k: K, the ranks kept per depth (the largest tree budget served)."""
@@ -37,10 +51,13 @@ class DraftGraphs:
         # NOTE: a graph reads the slot buffers at their capture-time addresses; only bounded ones keep them.
         self.graphed = cuda_graphs and device.type == "cuda" and mirrors.bounded
         self.buckets = buckets(mirrors.max_sessions)
+        self.row_buckets = buckets(mirrors.max_sessions * mirrors.block_size, mirrors.block_size)
         self.captured: dict[int, _Captured] = {}
+        self.committers: dict[int, torch.cuda.CUDAGraph] = {}
         if self.graphed:
             self.host = torch.zeros(3, mirrors.max_sessions, dtype=torch.long, pin_memory=True)
             self.inputs = torch.zeros(3, mirrors.max_sessions, dtype=torch.long, device=device)  # slots, roots, starts
+            self.rows = _row_buffers(mirrors, self.row_buckets[-1])
             self.pool = torch.cuda.graph_pool_handle()  # NOTE: buckets never replay at once, so they share memory
 
     @torch.inference_mode()
@@ -60,13 +77,27 @@ class DraftGraphs:
         return _to_host(values[:count, :, :width], ids[:count, :, :width])
 
     @torch.inference_mode()
+    def write(self, rows: RowBatch) -> None:
+        """The mirrors' RowWriter: the rows stored by commit graphs, the largest bucket's worth at a time."""
+        if not self.graphed:
+            self.mirrors.write_now(rows)
+            return
+        largest = self.row_buckets[-1]
+        with torch.cuda.device(self.device):
+            for start in range(0, len(rows.slots), largest):
+                self._write_chunk(RowBatch(rows.features[start:start + largest], rows.slots[start:start + largest],
+                                           rows.positions[start:start + largest]))
+
+    @torch.inference_mode()
     def warmup(self, progress: Callable[[list], Iterable] = iter) -> None:
         """Capture every bucket now, not on its first batch (nothing to do when drafts run eagerly); `progress`
-        wraps the list of buckets (ddtree.progress.track)."""
-        for size in progress(self.buckets) if self.graphed else []:
-            if size not in self.captured:
-                with torch.cuda.device(self.device):
-                    self._capture(size)
+        wraps the list of graphs (ddtree.progress.track). A commit graph's capture writes its padding rows, which
+        point at the dump slot until a commit has run."""
+        graphs = [(self._capture, size) for size in self.buckets if size not in self.captured]
+        graphs += [(self._capture_commit, size) for size in self.row_buckets if size not in self.committers]
+        for capture_one, size in progress(graphs) if self.graphed else []:
+            with torch.cuda.device(self.device):
+                capture_one(size)
 
     def _forward(self, slots: torch.Tensor, roots: torch.Tensor, starts: torch.Tensor) -> tuple[torch.Tensor, ...]:
         # slots, roots, starts: [S] -> ranked top-k log-probs and ids [S, B-1, K]
@@ -81,11 +112,46 @@ class DraftGraphs:
         self.host[:, count:size] = self.host[:, :1]  # padding: the first session again, its rows dropped
         self.inputs.copy_(self.host, non_blocking=True)
 
+    def _write_chunk(self, rows: RowBatch) -> None:
+        count = len(rows.slots)
+        size = next(b for b in self.row_buckets if b >= count)
+        buffers = self.rows
+        # NOTE: the previous draft waited for its results, so the uploads before it have left the pinned buffers.
+        buffers.host_indices[:, :count] = torch.tensor([rows.slots, rows.positions])
+        buffers.host_indices[0, count:size] = self.mirrors.dump_slot
+        buffers.indices[:, :size].copy_(buffers.host_indices[:, :size], non_blocking=True)
+        if rows.features.is_cuda:
+            buffers.features[:count].copy_(rows.features)
+        else:
+            buffers.host_features[:count].copy_(rows.features)
+            buffers.features[:count].copy_(buffers.host_features[:count], non_blocking=True)
+        (self.committers.get(size) or self._capture_commit(size)).replay()
+
+    def _capture_commit(self, size: int) -> torch.cuda.CUDAGraph:
+        """The commit of `size` rows, captured with every row aimed at the dump slot: the capture's first,
+        uncaptured run writes nothing a session reads, whatever the buffers held."""
+        features, (slots, positions) = self.rows.features[:size], self.rows.indices[:, :size]
+        staged = slots.clone()
+        slots.fill_(self.mirrors.dump_slot)
+        self.committers[size], _ = capture(lambda: self.mirrors.write_rows(features, slots, positions), self.device,
+                                           self.pool)
+        slots.copy_(staged)
+        return self.committers[size]
+
     def _capture(self, size: int) -> _Captured:
         slots, roots, starts = self.inputs[:, :size]
         graph, (values, ids) = capture(lambda: self._forward(slots, roots, starts), self.device, self.pool)
         self.captured[size] = _Captured(graph, values, ids)
         return self.captured[size]
+
+
+def _row_buffers(mirrors: DFlashMirrors, rows: int) -> _Rows:
+    """Buffers for `rows` committed rows."""
+    weight = mirrors.model.fc.weight
+    shape = (rows, mirrors.model.config.feature_dim)
+    return _Rows(weight.new_zeros(shape), torch.zeros(2, rows, dtype=torch.long, device=weight.device),
+                 torch.zeros(shape, dtype=weight.dtype, pin_memory=True),
+                 torch.zeros(2, rows, dtype=torch.long, pin_memory=True))
 
 
 def _to_host(*tensors: torch.Tensor) -> list[torch.Tensor]:

@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 
 import modeling.dflash as dflash
 from drafter_service.dflash_drafter import DFlashDrafter
-from drafter_service.dflash_mirrors import DFlashMirrors
+from drafter_service.dflash_mirrors import DFlashMirrors, RowBatch
 from drafter_service.draft_graphs import DraftGraphs
 from drafter_service.errors import SessionNotFound, StaleStep, TooManySessions
 from drafter_service.tree_builder import build_ddtree
@@ -301,6 +301,39 @@ def test_open_past_max_sessions_raises_and_a_closed_slot_is_reused(tmp_path, tin
         DFlashMirrors(model, context_window=window, max_sessions=0)
 
 
+def test_rows_go_to_the_writer_unless_a_step_brings_more_than_a_layer_keeps(tmp_path, tiny_target) -> None:
+    overrides, window = VARIANTS["sliding-W"]
+    model = load(tmp_path, tiny_target, overrides)
+    mirrors = DFlashMirrors(model, window, max_sessions=2)
+    smallest = min(context.capacity for context in mirrors.contexts)
+    written = []
+
+    def writer(rows: RowBatch) -> None:
+        written.append(rows)
+        mirrors.write_now(rows)
+
+    generator = torch.Generator().manual_seed(8)
+    history = {name: torch.randn(length, model.config.feature_dim, generator=generator)
+               for name, length in [("a", 5), ("b", 3)]}
+    for name, features in history.items():
+        mirrors.open(name, features, start_position=0)
+    for counts in [{"a": 2, "b": 0}, {"b": smallest}, {"a": smallest + 1, "b": 1}]:
+        steps = []
+        for name, count in counts.items():
+            new = torch.randn(count, model.config.feature_dim, generator=generator)
+            history[name] = torch.cat([history[name], new])
+            steps.append(mirror_step(name, new, 40 + count))
+        mirrors.commit(steps, writer)
+        for step in steps:
+            expected = recompute(model, history[step.session_id], step.root, window)
+            torch.testing.assert_close(draft_one(mirrors, step.session_id, step.features[:0], step.root), expected,
+                                       atol=1e-5, rtol=1e-5)
+    a, b = (mirrors.commit([mirror_step(name, history[name][:0], 0)]).slots[0] for name in "ab")
+    assert [(rows.slots, rows.positions) for rows in written] == [
+        ([a, a], [5, 6]), ([b] * smallest, list(range(3, 3 + smallest)))]  # the third step went the eager way
+    assert mirrors.dump_slot == 2 and all(context.keys.shape[0] == 3 for context in mirrors.contexts)
+
+
 def assert_same_top_k(got: tuple[torch.Tensor, torch.Tensor], expected: tuple[torch.Tensor, torch.Tensor],
                       everything: tuple[torch.Tensor, torch.Tensor], dtype: str) -> None:
     """got, expected: ranked top-k (values, ids) [S, D, K]; everything: the eager ranking of the whole vocab."""
@@ -353,6 +386,55 @@ def test_graph_replays_match_the_eager_draft(dtype: str, tmp_path, tiny_target) 
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_commit_graphs_store_what_the_eager_commit_stores(dtype: str, tmp_path, tiny_target) -> None:
+    """Every row bucket, commits larger than the largest (in chunks), host and device features, a step of more
+    rows than a layer keeps (eager), a rollback and a reused slot; the captures at warm-up touch no session."""
+    overrides, window = VARIANTS["sliding-W"]
+    model = load(tmp_path, tiny_target, overrides, dtype, "cuda")
+    graphed, eager = DFlashMirrors(model, window, max_sessions=4), DFlashMirrors(model, window, max_sessions=4)
+    graphs = DraftGraphs(graphed, 8)
+    smallest = min(context.capacity for context in graphed.contexts)
+    generator = torch.Generator().manual_seed(9)
+
+    def features(rows: int, device: str = "cpu") -> torch.Tensor:
+        return torch.randn(rows, model.config.feature_dim, generator=generator).to(device, getattr(torch, dtype))
+
+    devices = itertools.cycle(["cpu", "cuda"])  # where the features come from (over gRPC: the host)
+
+    def commit(plan: dict[str, int]) -> None:
+        device = next(devices)
+        new = {name: features(count, device) for name, count in plan.items()}
+        graphed.commit([mirror_step(name, rows, 0) for name, rows in new.items()], graphs.write)
+        eager.commit([mirror_step(name, rows, 0) for name, rows in new.items()])
+        atol = 1e-5 if dtype == "float32" else 2e-2
+        for mine, theirs in zip(graphed.contexts, eager.contexts):
+            sessions = slice(0, graphed.dump_slot)
+            assert torch.equal(mine.positions[sessions], theirs.positions[sessions])
+            held = torch.nn.functional.pad(theirs.positions[sessions] >= 0, (0, model.config.block_size))
+            torch.testing.assert_close(mine.keys[sessions][held], theirs.keys[sessions][held], atol=atol, rtol=0)
+            torch.testing.assert_close(mine.values[sessions][held], theirs.values[sessions][held], atol=atol, rtol=0)
+
+    for i, name in enumerate("abcd"):
+        seed = features(3 + 4 * i)
+        graphed.open(name, seed, start_position=0)
+        eager.open(name, seed, start_position=0)
+    graphs.warmup()
+    assert sorted(graphs.committers) == graphs.row_buckets and graphs.row_buckets[-1] == 4 * model.config.block_size
+    commit({"a": 0, "b": 0})
+    commit({"a": 1, "b": 2, "c": 0, "d": 3})
+    commit({name: smallest for name in "abcd"})  # more rows than the largest bucket
+    commit({"b": smallest + 1, "c": 2})  # a step the smallest layer cannot hold at once: eager
+    seed = features(9, "cuda")
+    for mirrors in (graphed, eager):
+        mirrors.crop("a", mirrors.context_length("a") - 3)
+        mirrors.close("c")
+        mirrors.open("e", seed, start_position=0)  # c's slot
+    commit({"e": 5, "a": 4, "d": 1})
+    assert sorted(graphs.committers) == graphs.row_buckets  # replays only
+
+
+@pytest.mark.gpu
 def test_the_tree_drafter_on_the_gpu_drafts_the_same_trees_from_graphs(tmp_path, tiny_target) -> None:
     overrides, window = VARIANTS["full-W"]
     model = load(tmp_path, tiny_target, overrides, "float32", "cuda")
@@ -361,7 +443,8 @@ def test_the_tree_drafter_on_the_gpu_drafts_the_same_trees_from_graphs(tmp_path,
     on_cpu = DFlashDrafter(copy.deepcopy(model).cpu(), window, max_budget=20, max_sessions=4)
     graphed.warmup()
     assert sorted(graphed.graphs.captured) == [1, 2, 4] and not eager.graphs.captured
-    assert (graphed.captured_graphs, eager.captured_graphs) == (3, 0)
+    rows = len(graphed.graphs.row_buckets)  # commit graphs: from one block to 4 sessions' blocks
+    assert rows == 3 and (graphed.captured_graphs, eager.captured_graphs) == (3 + rows, 0)
     assert not DFlashDrafter(model, None).graphs.graphed  # no window: no fixed shapes to capture
     generator = torch.Generator().manual_seed(7)
     features = torch.randn(60, model.config.feature_dim, generator=generator).cuda()

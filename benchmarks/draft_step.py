@@ -1,0 +1,125 @@
+"""One DFlash draft step of S sessions, stage by stage (issue 23: the draft step near its floor).
+
+The stages of `DFlashDrafter.draft`: the commit (each session's newly committed rows projected into its
+mirror's context K/V), the draft (the forward of the block and the per-depth top-k, back on the host) and the
+tree (the DDTree heap per session); then the whole call as the drafter service runs it. Each stage is timed
+alone with the GPU synchronised around it, with the drafts replayed from CUDA graphs and, for comparison,
+launched op by op. The floor reads the drafter's weights (its layers, fc, the LM head) and every session's
+context K/V once at the measured copy bandwidth. A 5-layer, block-16 drafter shaped for the target (random
+weights), context window W = 1024, every mirror full; the committed rows' features start on the host, as
+they arrive over gRPC.
+
+    python benchmarks/draft_step.py [--shape qwen3-8b] [--sessions 1 16 64] [--committed 1 4] [--budget 15]
+        [--out-dir DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.e2e_step import WINDOW, copy_bandwidth, git_commit, shape_of, timed, titled_table, write_results  # noqa: E402
+from drafter_service.dflash_drafter import DFlashDrafter  # noqa: E402
+from drafter_service.tree_builder import trees_from_top_k  # noqa: E402
+from modeling.dflash import DFlashConfig, DFlashModel  # noqa: E402
+from modeling.speculation import DrafterSeed, DraftStep  # noqa: E402
+
+SHAPES = ("qwen3-8b", "qwen3-0.6b", "tiny")
+STEPS = itertools.count()
+
+
+def build_drafter_model(name: str) -> tuple[DFlashModel, str]:
+    """The drafter of a shape with random bf16 weights (norms 1) and its own embedding and LM head."""
+    target, drafter_shape, device = shape_of(name)
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.device(device):
+        model = DFlashModel(DFlashConfig.from_hf(drafter_shape), target["vocab_size"]).eval()
+    torch.set_default_dtype(torch.float32)
+    for param_name, param in model.named_parameters():
+        param.requires_grad_(False)
+        param.fill_(1.0) if param_name.endswith("norm.weight") else param.normal_(std=0.02)
+    return model, device
+
+
+def floor_ms(model: DFlashModel, sessions: int, bandwidth: float) -> float:
+    """The weights a draft reads (not the embedding: B rows of it) and every session's W + B context rows."""
+    weights = sum(p.numel() * p.element_size() for name, p in model.named_parameters() if "embed" not in name)
+    config = model.config.model
+    context = sessions * (WINDOW + model.config.block_size) * config.num_layers * 2 * config.num_kv_heads
+    return 1e3 * (weights + context * config.head_dim * 2) / bandwidth
+
+
+def measure(drafter: DFlashDrafter, sessions: int, committed: int, budget: int) -> dict:
+    """Stage times (ms) of drafts over `sessions` mirrors committing `committed` rows each."""
+    feature_dim, mirrors = drafter.info.feature_dim, drafter.mirrors
+    names = [f"s{i}" for i in range(sessions)]
+    for name in names:
+        drafter.open(name, DrafterSeed([7] * WINDOW, torch.randn(WINDOW, feature_dim, dtype=torch.bfloat16), 0))
+
+    features = torch.randn(sessions, committed, feature_dim, dtype=torch.bfloat16)  # on the host, as over gRPC
+
+    def steps() -> list[DraftStep]:
+        return [DraftStep(name, next(STEPS), [5] * committed, features[i], 5, mirrors.context_length(name), budget)
+                for i, name in enumerate(names)]
+
+    batch = mirrors.commit(steps(), drafter.graphs.write)
+    values, ids = drafter.graphs.run(batch, budget)
+    row = {"sessions": sessions, "committed": committed, "budget": budget, "graphs": drafter.graphs.graphed,
+           "commit_ms": timed(lambda: mirrors.commit(steps(), drafter.graphs.write)),
+           "draft_ms": timed(lambda: drafter.graphs.run(batch, budget)),
+           "tree_ms": timed(lambda: trees_from_top_k(values, ids, [budget] * sessions)),
+           "whole_ms": timed(lambda: drafter.draft(steps()))}
+    for name in names:
+        drafter.close(name)
+    return row
+
+
+def markdown(result: dict) -> str:
+    columns = ["drafts", "sessions", "rows committed per session", "commit", "draft + top-k", "tree", "whole draft",
+               "floor", "whole / floor"]
+    rows = [["CUDA graphs" if r["graphs"] else "eager", str(r["sessions"]), str(r["committed"]),
+             *(f"{r[key]:.2f}" for key in ("commit_ms", "draft_ms", "tree_ms", "whole_ms", "floor_ms")),
+             f"{r['whole_ms'] / r['floor_ms']:.1f}x"] for r in result["rows"]]
+    title = (f"One DFlash draft step per stage ({result['shape']} drafter, budget {result['budget']}, "
+             f"{result['device']})")
+    return titled_table(title, result["command"], columns, rows) + (
+        f"\nTimes in ms, the mean of 10 calls with the device synchronised around each stage. Copy bandwidth "
+        f"{result['bandwidth'] / 1e12:.2f} TB/s. Commit {result['commit']}.\n")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--shape", choices=SHAPES, default="qwen3-8b", help="tiny: a smoke test on the CPU")
+    parser.add_argument("--sessions", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument("--committed", type=int, nargs="+", default=[1, 4])
+    parser.add_argument("--budget", type=int, default=15)
+    parser.add_argument("--out-dir", type=Path, default=Path("benchmarks/results"))
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    model, device = build_drafter_model(args.shape)
+    bandwidth = copy_bandwidth(device)
+    paths = [True, False] if device == "cuda" else [False]
+    rows = []
+    for graphs in paths:
+        drafter = DFlashDrafter(model, WINDOW, max_budget=args.budget, max_sessions=max(args.sessions),
+                                cuda_graphs=graphs)
+        drafter.warmup()
+        for sessions, committed in itertools.product(args.sessions, args.committed):
+            rows.append({**measure(drafter, sessions, committed, args.budget),
+                         "floor_ms": floor_ms(model, sessions, bandwidth)})
+            print(json.dumps(rows[-1]), flush=True)
+        del drafter
+    result = {"command": "python " + " ".join(sys.argv), "shape": args.shape, "budget": args.budget,
+              "device": "CPU" if device == "cpu" else torch.cuda.get_device_name(), "torch": torch.__version__,
+              "bandwidth": bandwidth, "commit": git_commit(), "rows": rows}
+    write_results(args.out_dir, f"draft_step_{args.shape}", result, markdown(result))
+
+
+if __name__ == "__main__":
+    main()
