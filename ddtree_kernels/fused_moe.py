@@ -2,7 +2,7 @@
 
 A step of T tokens sends T x k (token, expert) pairs to the routed experts, so it touches most experts with a
 few rows each: the cost is reading each touched expert's weights once. The pairs are sorted by expert on the
-device and cut into blocks of BLOCK_M pairs of one expert (`expert_blocks`, torch ops with no host sync, so the
+device and cut into blocks of BLOCK_M pairs of one expert (`expert_blocks`, one launch with no host sync, so the
 whole MLP replays inside a CUDA graph); then
 1. `_gate_up_kernel`: each program multiplies one block's tokens by one column tile of the expert's fused
    gate/up matrix and writes silu(gate) * up for those pairs;
@@ -43,31 +43,78 @@ def default_moe_launch(num_pairs: int) -> MoELaunch:
 class ExpertBlocks:
     """Pairs sorted by expert and cut into blocks of one expert each; blocks past the last used one are empty."""
 
-    order: torch.Tensor  # [P] int64: pair ids (token * k + slot), grouped by expert
+    order: torch.Tensor  # [P] int32: pair ids (token * k + slot), grouped by expert, in pair order within each
     expert: torch.Tensor  # [max_blocks] int32: the block's local expert, E for an empty block
     start: torch.Tensor  # [max_blocks] int32: first position in `order`
     end: torch.Tensor  # [max_blocks] int32: one past the last (start == end: empty)
 
 
+# NOTE: pairs (and blocks) per step of the layout kernel's loops: its one-hot tiles are [BLOCK_PAIRS, experts]
+# integers, which must stay in registers (Kimi K2: 385 bins, padded to 512)
+BLOCK_PAIRS = 32
+
+
 def expert_blocks(ids: torch.Tensor, first_expert: int, num_experts: int, block_m: int) -> ExpertBlocks:
-    """ids: [N, k] global expert ids. Only device ops of fixed shapes: capturable in a CUDA graph."""
-    local = ids.flatten() - first_expert  # [P]
-    local = torch.where((local >= 0) & (local < num_experts), local, num_experts)
-    order = torch.argsort(local, stable=True)
-    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=ids.device)
-    counts.scatter_add_(0, local, torch.ones_like(local))
-    counts = counts[:num_experts]
-    blocks = (counts + block_m - 1) // block_m  # [E]
-    block_end = blocks.cumsum(0)
-    pair_start = counts.cumsum(0) - counts
-    max_blocks = triton.cdiv(local.numel(), block_m) + min(num_experts, local.numel())
-    index = torch.arange(max_blocks, device=ids.device)
-    expert = torch.searchsorted(block_end, index, right=True)  # [max_blocks]: E past the last block
-    clamped = expert.clamp(max=num_experts - 1)
-    start = pair_start[clamped] + (index - (block_end - blocks)[clamped]) * block_m
-    end = torch.where(expert < num_experts, torch.minimum(start + block_m, pair_start[clamped] + counts[clamped]),
-                      start)
-    return ExpertBlocks(order, expert.to(torch.int32), start.to(torch.int32), end.to(torch.int32))
+    """ids: [N, k] global expert ids. One launch of fixed shapes, no host sync: capturable in a CUDA graph (the
+    torch ops it replaces were ~30 launches, most of the layer's time outside its GEMMs at verify sizes)."""
+    num_pairs = ids.numel()
+    max_blocks = triton.cdiv(num_pairs, block_m) + min(num_experts, num_pairs)
+    order = torch.empty(num_pairs, dtype=torch.int32, device=ids.device)
+    expert, start, end = torch.empty(3, max_blocks, dtype=torch.int32, device=ids.device)
+    if max_blocks:
+        _expert_blocks_kernel[(1,)](
+            ids.contiguous(), order, expert, start, end, num_pairs, first_expert, max_blocks,
+            NUM_EXPERTS=num_experts, EXPERTS_PAD=triton.next_power_of_2(num_experts + 1), BLOCK_M=block_m,
+            BLOCK_PAIRS=BLOCK_PAIRS, num_warps=8)
+    return ExpertBlocks(order, expert, start, end)
+
+
+@triton.jit
+def _local_experts(ids_ptr, pairs, num_pairs, first_expert, NUM_EXPERTS: tl.constexpr, EXPERTS_PAD: tl.constexpr):
+    """The pairs' experts on this rank, NUM_EXPERTS for another rank's, EXPERTS_PAD (no bin) past the last pair."""
+    local = (tl.load(ids_ptr + pairs, mask=pairs < num_pairs, other=0) - first_expert).to(tl.int32)
+    local = tl.where((local >= 0) & (local < NUM_EXPERTS), local, NUM_EXPERTS)
+    return tl.where(pairs < num_pairs, local, EXPERTS_PAD)
+
+
+@triton.jit
+def _expert_blocks_kernel(
+    ids_ptr, order_ptr, expert_ptr, start_ptr, end_ptr, num_pairs, first_expert, max_blocks,
+    NUM_EXPERTS: tl.constexpr, EXPERTS_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_PAIRS: tl.constexpr,
+):
+    """One program: the pairs counted per expert (bin NUM_EXPERTS: another rank's, sorted last), each pair's place
+    in the stable order by expert (its expert's first place plus the earlier pairs of that expert), then each
+    block's expert and range (a block's expert: how many experts' blocks end at or before it)."""
+    experts = tl.arange(0, EXPERTS_PAD)
+    counts = tl.zeros([EXPERTS_PAD], dtype=tl.int32)
+    for first in range(0, num_pairs, BLOCK_PAIRS):
+        local = _local_experts(ids_ptr, first + tl.arange(0, BLOCK_PAIRS), num_pairs, first_expert, NUM_EXPERTS,
+                               EXPERTS_PAD)
+        counts += tl.sum((local[:, None] == experts[None, :]).to(tl.int32), axis=0)
+    places = tl.cumsum(counts, axis=0) - counts  # NOTE: every expert's first place in the order
+    for first in range(0, num_pairs, BLOCK_PAIRS):
+        pairs = first + tl.arange(0, BLOCK_PAIRS)
+        local = _local_experts(ids_ptr, pairs, num_pairs, first_expert, NUM_EXPERTS, EXPERTS_PAD)
+        hot = (local[:, None] == experts[None, :]).to(tl.int32)  # [BLOCK_PAIRS, EXPERTS_PAD]
+        place = tl.sum(hot * (places[None, :] + tl.cumsum(hot, axis=0) - 1), axis=1)
+        tl.store(order_ptr + place, pairs, mask=pairs < num_pairs)
+        places += tl.sum(hot, axis=0)
+    counts = tl.where(experts < NUM_EXPERTS, counts, 0)
+    blocks = (counts + BLOCK_M - 1) // BLOCK_M
+    block_end = tl.cumsum(blocks, axis=0)
+    pair_start = tl.cumsum(counts, axis=0) - counts
+    for first in range(0, max_blocks, BLOCK_PAIRS):
+        index = first + tl.arange(0, BLOCK_PAIRS)
+        ended = (block_end[None, :] <= index[:, None]) & (experts[None, :] < NUM_EXPERTS)
+        expert = tl.sum(ended.to(tl.int32), axis=1)
+        own = (tl.minimum(expert, NUM_EXPERTS - 1)[:, None] == experts[None, :]).to(tl.int32)
+        first_block = tl.sum(own * (block_end - blocks)[None, :], axis=1)
+        start = tl.sum(own * pair_start[None, :], axis=1) + (index - first_block) * BLOCK_M
+        last = tl.sum(own * (pair_start + counts)[None, :], axis=1)
+        end = tl.where(expert < NUM_EXPERTS, tl.minimum(start + BLOCK_M, last), start)
+        tl.store(expert_ptr + index, expert, mask=index < max_blocks)
+        tl.store(start_ptr + index, start, mask=index < max_blocks)
+        tl.store(end_ptr + index, end, mask=index < max_blocks)
 
 
 @triton.jit

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
+import triton
 
 from ddtree_kernels.fused_moe import MoELaunch, expert_blocks, fused_moe
 from modeling.config import ModelConfig
@@ -58,6 +59,37 @@ def check_fused(layer: MoE, num_tokens: int, dtype: torch.dtype, launch: MoELaun
     assert got.dtype == torch.float32 and got.shape == want.shape
     atol, rtol = TOL[dtype]
     torch.testing.assert_close(got, want, atol=atol, rtol=rtol)
+
+
+def reference_blocks(ids: torch.Tensor, first_expert: int, num_experts: int, block_m: int) -> list[list[int]]:
+    """The layout in torch ops: a stable argsort by local expert (another rank's last), blocks of block_m pairs."""
+    local = ids.flatten() - first_expert
+    local = torch.where((local >= 0) & (local < num_experts), local, num_experts)
+    order = torch.argsort(local, stable=True)
+    counts = torch.bincount(local, minlength=num_experts + 1)[:num_experts]
+    blocks = (counts + block_m - 1) // block_m
+    block_end = blocks.cumsum(0)
+    pair_start = counts.cumsum(0) - counts
+    index = torch.arange(triton.cdiv(local.numel(), block_m) + min(num_experts, local.numel()))
+    expert = torch.searchsorted(block_end, index, right=True)
+    clamped = expert.clamp(max=num_experts - 1)
+    start = pair_start[clamped] + (index - (block_end - blocks)[clamped]) * block_m
+    end = torch.where(expert < num_experts, torch.minimum(start + block_m, pair_start[clamped] + counts[clamped]),
+                      start)
+    return [order.tolist(), expert.tolist(), start.tolist(), end.tolist()]
+
+
+@pytest.mark.parametrize("num_experts", [1, 8, 64, 160])
+def test_the_layout_kernel_equals_the_stable_sort_in_torch(num_experts: int) -> None:
+    """Exactly the torch layout, for every size of step (up to 300 pairs: several of the kernel's pair tiles), block
+    size and rank's share of the experts."""
+    generator = torch.Generator().manual_seed(num_experts)
+    for num_tokens, top_k, block_m in ((1, 1, 16), (1, 8, 16), (5, 2, 4), (16, 8, 16), (37, 8, 32), (300, 1, 16)):
+        for first_expert in (0, 3):
+            ids = torch.randint(0, num_experts + 6, (num_tokens, top_k), generator=generator)
+            got = expert_blocks(ids, first_expert, num_experts, block_m)
+            want = reference_blocks(ids, first_expert, num_experts, block_m)
+            assert [t.tolist() for t in (got.order, got.expert, got.start, got.end)] == want, (num_tokens, top_k)
 
 
 def test_expert_blocks_cover_every_pair_once_within_one_expert() -> None:
