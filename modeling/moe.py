@@ -1,9 +1,10 @@
 """The mixture-of-experts MLP of DeepSeek-V2/V3, Kimi K2 and GLM-4.7-Flash: each token goes to k of E routed
 experts and, always, to the shared experts.
 
-The torch version is the reference the fused GPU kernel (ddtree_kernels/fused_moe.py) is tested against: `route`
-is the routing both use, and `MoE.run_experts` the exact grouped computation the kernel replaces on CUDA once
-`fuse_projections` has stacked the experts (no capacity limit, no dropped tokens).
+The torch version is the reference the fused GPU kernels are tested against: `route` is the routing that
+ddtree_kernels/moe_routing.py computes in one launch on CUDA, and `MoE.run_experts` the exact grouped computation
+ddtree_kernels/fused_moe.py replaces on CUDA once `fuse_projections` has stacked the experts (no capacity limit, no
+dropped tokens).
 """
 
 from __future__ import annotations
@@ -77,6 +78,10 @@ class Router(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [N, hidden] -> expert ids [N, k], fp32 weights [N, k]; the logits are computed in fp32."""
         logits = F.linear(x.float(), self.weight.float())  # [N, E]
+        if logits.is_cuda:
+            from ddtree_kernels.moe_routing import fused_route  # NOTE: Triton loads only where it runs
+
+            return fused_route(logits, self.moe, self.e_score_correction_bias)
         return route(logits, self.moe, self.e_score_correction_bias)
 
 
