@@ -49,9 +49,10 @@ class ExpertBlocks:
     end: torch.Tensor  # [max_blocks] int32: one past the last (start == end: empty)
 
 
-# NOTE: pairs (and blocks) per step of the layout kernel's loops: its one-hot tiles are [BLOCK_PAIRS, experts]
-# integers, which must stay in registers (Kimi K2: 385 bins, padded to 512)
-BLOCK_PAIRS = 32
+# NOTE: the layout kernel's one-hot tiles, [pairs (or blocks) per loop step, expert bins] integers: as many pairs
+# a step as keep a tile at this many elements (8 warps: 32 registers a thread), so few steps run in sequence and
+# Kimi K2's 385 bins (padded to 512) still fit
+TILE_ELEMENTS = 8192
 
 
 def expert_blocks(ids: torch.Tensor, first_expert: int, num_experts: int, block_m: int) -> ExpertBlocks:
@@ -62,10 +63,11 @@ def expert_blocks(ids: torch.Tensor, first_expert: int, num_experts: int, block_
     order = torch.empty(num_pairs, dtype=torch.int32, device=ids.device)
     expert, start, end = torch.empty(3, max_blocks, dtype=torch.int32, device=ids.device)
     if max_blocks:
+        bins = triton.next_power_of_2(num_experts + 1)
         _expert_blocks_kernel[(1,)](
             ids.contiguous(), order, expert, start, end, num_pairs, first_expert, max_blocks,
-            NUM_EXPERTS=num_experts, EXPERTS_PAD=triton.next_power_of_2(num_experts + 1), BLOCK_M=block_m,
-            BLOCK_PAIRS=BLOCK_PAIRS, num_warps=8)
+            NUM_EXPERTS=num_experts, EXPERTS_PAD=bins, BLOCK_M=block_m,
+            BLOCK_PAIRS=max(16, min(128, TILE_ELEMENTS // bins)), num_warps=8)
     return ExpertBlocks(order, expert, start, end)
 
 
