@@ -99,12 +99,14 @@ def main() -> None:
     parser.add_argument("--sessions", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--committed", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--budget", type=int, default=15)
+    parser.add_argument("--paths", nargs="+", choices=("graphs", "eager"), default=["graphs", "eager"],
+                        help="the drafts from CUDA graphs, launched op by op, or both (graphs need CUDA)")
     parser.add_argument("--out-dir", type=Path, default=Path("benchmarks/results"))
     args = parser.parse_args()
     torch.manual_seed(0)
     model, device = build_drafter_model(args.shape)
     bandwidth = copy_bandwidth(device)
-    paths = [True, False] if device == "cuda" else [False]
+    paths = [path == "graphs" for path in args.paths if device == "cuda" or path == "eager"]
     rows = []
     for graphs in paths:
         drafter = DFlashDrafter(model, WINDOW, max_budget=args.budget, max_sessions=max(args.sessions),
