@@ -19,6 +19,7 @@ import heapq
 
 import torch
 
+from modeling.ops import row_ops
 from modeling.tree import DraftTree
 
 
@@ -47,12 +48,12 @@ def top_k_per_depth(logp: torch.Tensor, budget: int, top_k: int | None = None) -
 def top_k_log_probs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The k most probable tokens per row with their log-probs, ranked as top_k_per_depth ranks them.
 
-    Only the k kept logits become log-probs (minus the row's logsumexp): no [..., V] log_softmax is written.
+    Only the k kept logits become log-probs (minus the row's fp32 logsumexp): no [..., V] log_softmax is written,
+    and the logits are read in their own dtype (a bf16 value is exact in fp32, so the top-k is the same).
     logits: [..., V] -> (fp32 log-probs, token ids), each [..., min(k, V)], on logits' device.
     """
-    logits = logits.float()
     values, ids = torch.topk(logits, min(k, logits.shape[-1]), dim=-1, sorted=True)
-    return rank_top_k(values - torch.logsumexp(logits, dim=-1, keepdim=True), ids)
+    return rank_top_k(values.float() - row_ops(logits).logsumexp(logits)[..., None], ids)
 
 
 def best_first_tree(values: list[list[float]], ids: list[list[int]], budget: int) -> DraftTree:

@@ -43,6 +43,10 @@ class TorchRowOps:
         total = x + delta
         return total, self.rms_norm(total, weight, eps)
 
+    def logsumexp(self, x: torch.Tensor) -> torch.Tensor:
+        """The fp32 log-sum-exp of each row of x ([..., C] -> [...]), as accurate as over x in fp32."""
+        return torch.logsumexp(x.float(), dim=-1)
+
     def norm_rope(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor,
                   sin: torch.Tensor) -> torch.Tensor:
         """The per-head norm (none when weight is None) and RoPE; x: [N, H, D], cos and sin: [N, D]."""
@@ -65,9 +69,9 @@ class TritonRowOps(TorchRowOps):
     def __init__(self) -> None:
         # NOTE: imported here, not at module level: Triton reads TRITON_INTERPRET once, at its first import
         # (tests/conftest.py sets it), and machines without CUDA never need it.
-        from ddtree_kernels import fused_layer_ops, skinny_gemm
+        from ddtree_kernels import fused_layer_ops, row_logsumexp, skinny_gemm
 
-        self.fused, self.gemm = fused_layer_ops, skinny_gemm
+        self.fused, self.gemm, self.row_logsumexp = fused_layer_ops, skinny_gemm, row_logsumexp
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.gemm.fits(x, weight):
@@ -84,6 +88,9 @@ class TritonRowOps(TorchRowOps):
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return self.fused.rms_norm(x, weight, eps)
+
+    def logsumexp(self, x: torch.Tensor) -> torch.Tensor:
+        return self.row_logsumexp.logsumexp(x)
 
     def add_rms_norm(self, x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:

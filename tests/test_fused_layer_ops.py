@@ -86,3 +86,17 @@ def test_silu_mul(dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(5)
     gate, up = (torch.randn(3, 1500, generator=gen).mul(4).to(DEVICE, dtype) for _ in range(2))
     close(fused.silu_mul(gate, up), F.silu(gate) * up)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_row_logsumexp_equals_torch_over_fp32(dtype: torch.dtype) -> None:
+    """Rows wider than one tile and narrower, masked (-inf) logits, and a row with nothing but -inf."""
+    from ddtree_kernels.row_logsumexp import BLOCK, logsumexp
+
+    gen = torch.Generator().manual_seed(3)
+    for columns in (100, 2 * BLOCK + 77):
+        x = (8 * torch.randn(2, 3, columns, generator=gen)).to(DEVICE, dtype)
+        x[0, 1, ::3] = float("-inf")
+        x[1, 2] = float("-inf")
+        torch.testing.assert_close(logsumexp(x), torch.logsumexp(x.float(), dim=-1), atol=1e-5, rtol=1e-6)
+        assert logsumexp(x).dtype == torch.float32 and logsumexp(x)[1, 2] == float("-inf")
