@@ -25,6 +25,11 @@ PROBE_IDLE_STEPS = 4
 # next twice as far, and so on: a text that has stopped repeating often repeats again soon (a model's first tokens
 # after a prompt seldom repeat it, the next ones do), and a long run of probes in vain costs the share only
 PROBE_BACKOFF = 4
+# NOTE: drafting "pays" again, and the probes' backoff starts over, once it pays for this share of the free sessions:
+# a few sessions whose drafts happen to pay say little of the idle ones, and restarting the backoff on each of their
+# passes probed every idle session several times as often as the share allows (budget_simulation.md, drafts that
+# seldom pay)
+PAYING_SHARE = 0.5
 # NOTE: a plain step of the batch's size that was never measured is, once, when drafting does not look at least this
 # many times faster: its estimate is a guess from larger steps, and a step's cost may be mostly per tree (host work)
 # rather than per row, which only a measurement tells
@@ -45,7 +50,7 @@ class BudgetPlanner:
     def __init__(self, costs: StepCosts, probe_share: float = 0.03):
         self.costs, self.probe_share = costs, probe_share
         self.since_probe = 0  # passes since the last probe
-        self.vain_probes = 0  # probes since the last pass in which drafting paid for a free session
+        self.vain_probes = 0  # probes since the last pass in which drafting paid (PAYING_SHARE)
 
     def plan(self, offers: list[Offer], context: int, besides: int = 0, hidden_s: float = 0.0) -> list[int]:
         """The budgets of `offers`' sessions in a pass where `besides` more sessions step plainly; `context`: the
@@ -58,7 +63,7 @@ class BudgetPlanner:
             return budgets
         pass_ = _Pass(self.costs, offers, free, context, besides, hidden_s)
         choice = pass_.best_choice()
-        if choice.any():
+        if choice.any() and np.count_nonzero(choice) >= PAYING_SHARE * len(choice):
             self.vain_probes = 0
         candidates = offers[free[0]].candidates
         for i, chosen in zip(free, choice):
