@@ -63,7 +63,7 @@ class BudgetPlanner:
             return budgets
         pass_ = _Pass(self.costs, offers, free, context, besides, hidden_s)
         choice = pass_.best_choice()
-        if choice.any() and np.count_nonzero(choice) >= PAYING_SHARE * len(choice):
+        if np.count_nonzero(choice) >= PAYING_SHARE * len(choice):  # NOTE: free is never empty here
             self.vain_probes = 0
         candidates = offers[free[0]].candidates
         for i, chosen in zip(free, choice):
