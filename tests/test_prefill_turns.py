@@ -63,12 +63,12 @@ def test_concurrent_prompts_prefill_one_after_another_and_stay_exact(tiny_target
     Every output equals plain greedy decoding."""
     engine, metrics = make_engine(tiny_target), VerifierMetrics()
     chunks: list[int] = []
-    waiting: list[float] = []  # the waiting-prefills gauge at each chunk
+    waiting: list[float] = []  # the prefills-awaiting-turn gauge at each chunk
     prefill_chunk = engine._prefill_chunk
 
     def counted_chunk(table, tokens, *span):
         chunks.append(tokens[0])
-        waiting.append(metrics.waiting_prefills.collect()[0].samples[0].value)
+        waiting.append(metrics.prefills_awaiting_turn.collect()[0].samples[0].value)
         return prefill_chunk(table, tokens, *span)
 
     engine._prefill_chunk = counted_chunk

@@ -50,15 +50,15 @@ class VerifierMetrics:
                                 registry=r)
         self.waiting_requests = Gauge("ddtree_verifier_waiting_requests", "Prompts and generations waiting for free "
                                       "KV pages", registry=r)
-        self.waiting_prefills = Gauge("ddtree_verifier_waiting_prefills", "Prompts in, waiting for their turn on "
-                                      "the engine (one prefill chunk runs at a time, shortest remaining first)",
-                                      registry=r)
+        self.prefills_awaiting_turn = Gauge("ddtree_verifier_prefills_awaiting_turn", "Prompts in, waiting for their "
+                                             "turn on the engine (one prefill chunk runs at a time, shortest "
+                                             "remaining first)", registry=r)
         self.admission_wait_seconds = Histogram("ddtree_verifier_admission_wait_seconds", "How long a prompt or a "
                                                 "generation that found the KV cache full waited for its pages (those "
                                                 "that gave up included)", registry=r)
 
     def watch(self, engine: Engine, generating: Collection[str], waiting_requests: Callable[[], int],
-              waiting_prefills: Callable[[], int]) -> None:
+              prefills_awaiting_turn: Callable[[], int]) -> None:
         """The gauges read the engine when scraped, so they show sessions and pages as they are."""
         pool = engine.pool
         self.kv_pages_free.set_function(lambda: pool.num_free)
@@ -66,7 +66,7 @@ class VerifierMetrics:
         self.sessions.set_function(lambda: len(engine.sessions))
         self.generating.set_function(lambda: len(generating))
         self.waiting_requests.set_function(waiting_requests)
-        self.waiting_prefills.set_function(waiting_prefills)
+        self.prefills_awaiting_turn.set_function(prefills_awaiting_turn)
 
     def serve(self, port: int, addr: str = "127.0.0.1") -> None:
         """/metrics over HTTP; loopback unless told otherwise (containers pass 0.0.0.0 to be scraped)."""
