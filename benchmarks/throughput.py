@@ -6,6 +6,8 @@
         [--concurrency 1 16 64 128]   # writes a random model of that shape
     python benchmarks/throughput.py --tiny --context 512 --concurrency 1 4   # CPU smoke run
     python benchmarks/throughput.py --tiny --tree-budgets 7 15 31 63 adaptive   # one speculative run per choice
+    python benchmarks/throughput.py --random-target DIR --random-shape small --random-std 0.1 --context 64 \
+        --concurrency 64 --tree-budgets adaptive   # CPU: drafts that seldom pay (acceptance ~1)
     python benchmarks/throughput.py ... --repeats 3   # medians over alternating runs (single runs swing by 20%+)
 """
 
@@ -28,10 +30,13 @@ from e2e_step import QWEN3_8B, copy_bandwidth
 from ddtree.bench import RequestRecord, distribution_ms
 from ddtree.client import AsyncClient
 from ddtree.local_stack import LocalStack, ensure_tiny_model, free_port
-from modeling.tiny import QWEN3_06B_SHAPE, make_tiny_target
+from modeling.tiny import QWEN3_06B_SHAPE, SMALL_SHAPE, make_tiny_target
 
 PARAGRAPH = ("The verifier keeps the prefix dense in pages, the drafter proposes a tree, and the target checks "
              "every branch in one pass. ")
+
+
+RANDOM_SHAPES = {"qwen3-0.6b": QWEN3_06B_SHAPE, "qwen3-8b": QWEN3_8B, "small": SMALL_SHAPE}
 
 
 def prompts(count: int, context_chars: int) -> list[str]:
@@ -224,10 +229,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--target", help="HF checkpoint directory")
     parser.add_argument("--tiny", action="store_true", help="the tiny built-in model on the CPU")
-    parser.add_argument("--random-shape", choices=("qwen3-0.6b", "qwen3-8b"), default="qwen3-0.6b",
-                        help="the shape --random-target writes")
+    parser.add_argument("--random-shape", choices=tuple(RANDOM_SHAPES), default="qwen3-0.6b",
+                        help="the shape --random-target writes ('small': fp32, for the CPU)")
     parser.add_argument("--random-target", type=Path,
                         help="write a random Qwen3-0.6B-shaped bf16 model (byte-level tokenizer) here and use it")
+    parser.add_argument("--random-std", type=float, default=0.02,
+                        help="the random weights' standard deviation: 0.1 makes the small shape's greedy text seldom "
+                             "repeat (n-gram acceptance ~1, as the random 8B model's on the GPU), 0.02 makes it loop")
     parser.add_argument("--drafter", default="ngram")
     parser.add_argument("--drafter-replicas", type=int, default=1,
                         help="drafter processes; the verifier spreads the sessions over them")
@@ -249,8 +257,8 @@ def main() -> None:
     args = parser.parse_args()
     target = str(ensure_tiny_model()[0]) if args.tiny else args.target
     if args.random_target:
-        shape = QWEN3_06B_SHAPE if args.random_shape == "qwen3-0.6b" else QWEN3_8B
-        target = str(make_tiny_target(args.random_target, shape=shape))
+        target = str(make_tiny_target(args.random_target, shape=RANDOM_SHAPES[args.random_shape],
+                                      std=args.random_std))
     if target is None:
         raise SystemExit("--target DIR or --tiny")
     choices = args.tree_budgets or [str(args.tree_budget)]

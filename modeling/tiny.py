@@ -114,11 +114,20 @@ QWEN3_06B_SHAPE = {"hidden_size": 1024, "intermediate_size": 3072, "num_hidden_l
                    "max_position_embeddings": 40960, "torch_dtype": "bfloat16"}
 
 
-def make_tiny_target(path: str | Path, seed: int = 0, shape: dict | None = None, arch: str = "qwen3") -> Path:
+# A CPU stand-in for the GPU runs' random models: wide enough that random weights at std 0.1 make chaotic text (the
+# n-gram drafter's acceptance ~1, as the random 8B model's on the GPU; narrower models fall into loops whatever the
+# weights), small enough for 64 sessions on two cores.
+SMALL_SHAPE = {"hidden_size": 256, "intermediate_size": 768, "num_attention_heads": 8, "num_key_value_heads": 4,
+               "head_dim": 32, "torch_dtype": "float32"}
+
+
+def make_tiny_target(path: str | Path, seed: int = 0, shape: dict | None = None, arch: str = "qwen3",
+                     std: float = 0.02) -> Path:
     """Write config.json, two safetensors shards + index, tokenizer.json and tokenizer_config.json (with a ChatML
     chat template) into `path`. `arch` is a key of TINY_CONFIGS; `shape` overrides config fields (a bigger random
     model with the same byte-level tokenizer, e.g. for GPU benchmarks; its `torch_dtype` is the dtype the weights
-    are saved in)."""
+    are saved in). `std`: the weights' standard deviation (larger ones make a chaotic model, whose greedy text seldom
+    repeats itself: small random models at 0.02 fall into loops that an n-gram drafter predicts)."""
     if arch not in TINY_CONFIGS:
         raise ValueError(f"arch must be one of {sorted(TINY_CONFIGS)}, got {arch!r}")
     path = Path(path)
@@ -126,7 +135,7 @@ def make_tiny_target(path: str | Path, seed: int = 0, shape: dict | None = None,
     raw = {**TINY_CONFIGS[arch], **(shape or {})}
     (path / "config.json").write_text(json.dumps(raw, indent=2))
     dtype = parse_dtype(raw["torch_dtype"])
-    tensors = {name: t.to(dtype) for name, t in random_weights(ModelConfig.from_hf(raw), seed).items()}
+    tensors = {name: t.to(dtype) for name, t in random_weights(ModelConfig.from_hf(raw), seed, std).items()}
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     save_sharded(tensors, path, max_shard_bytes=total // 2 + 1)
     byte_level_tokenizer().save(str(path / "tokenizer.json"))
