@@ -459,12 +459,14 @@ def write_results(out_dir: Path, name: str, result: dict, table: str) -> None:
 
 
 def git_commit() -> str | None:
-    """HEAD's short hash, with '+dirty' when tracked files differ from it; None outside a git checkout."""
+    """HEAD's short hash, with '+dirty' when tracked files differ from it (the results a benchmark rewrites do not
+    count); None outside a git checkout."""
     def git(*words: str) -> str:
         return subprocess.run(["git", "--no-optional-locks", *words], cwd=Path(__file__).resolve().parents[1],
                               capture_output=True, text=True, check=True, timeout=30).stdout.strip()
     try:
-        head, dirty = git("rev-parse", "--short", "HEAD"), git("status", "--porcelain", "--untracked-files=no")
+        head, dirty = git("rev-parse", "--short", "HEAD"), git("status", "--porcelain", "--untracked-files=no",
+                                                                   "--", ".", ":!benchmarks/results")
     except (OSError, subprocess.SubprocessError):
         return None
     return head + ("+dirty" if dirty else "")
