@@ -10,7 +10,7 @@ weights), context window W = 1024, every mirror full; the committed rows' featur
 they arrive over gRPC.
 
     python benchmarks/draft_step.py [--shape qwen3-8b] [--sessions 1 16 64] [--committed 1 4] [--budget 15]
-        [--out-dir DIR]
+        [--profile] [--out-dir DIR]
 """
 
 from __future__ import annotations
@@ -24,7 +24,16 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.e2e_step import WINDOW, copy_bandwidth, git_commit, shape_of, timed, titled_table, write_results  # noqa: E402
+from benchmarks.e2e_step import (  # noqa: E402
+    WINDOW,
+    copy_bandwidth,
+    git_commit,
+    shape_of,
+    synchronize,
+    timed,
+    titled_table,
+    write_results,
+)
 from drafter_service.dflash_drafter import DFlashDrafter  # noqa: E402
 from drafter_service.tree_builder import trees_from_top_k  # noqa: E402
 from modeling.dflash import DFlashConfig, DFlashModel  # noqa: E402
@@ -55,8 +64,9 @@ def floor_ms(model: DFlashModel, sessions: int, bandwidth: float) -> float:
     return 1e3 * (weights + context * config.head_dim * 2) / bandwidth
 
 
-def measure(drafter: DFlashDrafter, sessions: int, committed: int, budget: int) -> dict:
-    """Stage times (ms) of drafts over `sessions` mirrors committing `committed` rows each."""
+def measure(drafter: DFlashDrafter, sessions: int, committed: int, budget: int, profile: bool = False) -> dict:
+    """Stage times (ms) of drafts over `sessions` mirrors committing `committed` rows each; with `profile`, each
+    stage's ops too (`profiled`)."""
     feature_dim, mirrors = drafter.info.feature_dim, drafter.mirrors
     names = [f"s{i}" for i in range(sessions)]
     for name in names:
@@ -70,14 +80,39 @@ def measure(drafter: DFlashDrafter, sessions: int, committed: int, budget: int) 
 
     batch = mirrors.commit(steps(), drafter.graphs.write)
     values, ids = drafter.graphs.run(batch, budget)
+    stages = {"commit": lambda: mirrors.commit(steps(), drafter.graphs.write),
+              "draft": lambda: drafter.graphs.run(batch, budget),
+              "tree": lambda: trees_from_top_k(values, ids, [budget] * sessions),
+              "whole": lambda: drafter.draft(steps())}
     row = {"sessions": sessions, "committed": committed, "budget": budget, "graphs": drafter.graphs.graphed,
-           "commit_ms": timed(lambda: mirrors.commit(steps(), drafter.graphs.write)),
-           "draft_ms": timed(lambda: drafter.graphs.run(batch, budget)),
-           "tree_ms": timed(lambda: trees_from_top_k(values, ids, [budget] * sessions)),
-           "whole_ms": timed(lambda: drafter.draft(steps()))}
+           **{f"{stage}_ms": timed(fn) for stage, fn in stages.items()}}
+    if profile:
+        row["profile"] = {stage: profiled(fn) for stage, fn in stages.items()}
     for name in names:
         drafter.close(name)
     return row
+
+
+def profiled(fn, calls: int = 5, top: int = 8) -> dict[str, list[dict]]:
+    """The ops of `calls` calls of a stage under torch's profiler, per call: the `top` by host time spent in the
+    op itself, and on a GPU the `top` by device time (what a stage's time is made of, where it is far off its
+    floor)."""
+    fn()
+    synchronize()
+    cuda = torch.cuda.is_available()
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    with torch.profiler.profile(activities=activities) as profile:
+        for _ in range(calls):
+            fn()
+        synchronize()
+    events = profile.key_averages()
+
+    def ranked(time_us) -> list[dict]:
+        chosen = sorted(events, key=lambda e: -time_us(e))[:top]
+        return [{"op": e.key, "calls": e.count / calls, "ms": time_us(e) / calls / 1e3} for e in chosen if time_us(e)]
+
+    return {"host": ranked(lambda e: e.self_cpu_time_total),
+            **({"device": ranked(lambda e: e.self_device_time_total)} if cuda else {})}
 
 
 def markdown(result: dict) -> str:
@@ -88,9 +123,16 @@ def markdown(result: dict) -> str:
              f"{r['whole_ms'] / r['floor_ms']:.1f}x"] for r in result["rows"]]
     title = (f"One DFlash draft step per stage ({result['shape']} drafter, budget {result['budget']}, "
              f"{result['device']})")
-    return titled_table(title, result["command"], columns, rows) + (
+    text = titled_table(title, result["command"], columns, rows) + (
         f"\nTimes in ms, the mean of 10 calls with the device synchronised around each stage. Copy bandwidth "
         f"{result['bandwidth'] / 1e12:.2f} TB/s. Commit {result['commit']}.\n")
+    for r in result["rows"]:
+        for stage, ops in r.get("profile", {}).items():
+            for kind, events in ops.items():
+                text += (f"\n{'CUDA graphs' if r['graphs'] else 'eager'}, {r['sessions']} sessions, {r['committed']} "
+                         f"committed, {stage}: ops by {kind} time, ms per call: "
+                         + "; ".join(f"{e['op']} {e['ms']:.3f} ({e['calls']:g}x)" for e in events) + "\n")
+    return text
 
 
 def main() -> None:
@@ -101,6 +143,8 @@ def main() -> None:
     parser.add_argument("--budget", type=int, default=15)
     parser.add_argument("--paths", nargs="+", choices=("graphs", "eager"), default=["graphs", "eager"],
                         help="the drafts from CUDA graphs, launched op by op, or both (graphs need CUDA)")
+    parser.add_argument("--profile", action="store_true",
+                        help="each stage's ops under torch's profiler too (host and device time), in the results")
     parser.add_argument("--out-dir", type=Path, default=Path("benchmarks/results"))
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -113,7 +157,7 @@ def main() -> None:
                                 cuda_graphs=graphs)
         drafter.warmup()
         for sessions, committed in itertools.product(args.sessions, args.committed):
-            rows.append({**measure(drafter, sessions, committed, args.budget),
+            rows.append({**measure(drafter, sessions, committed, args.budget, args.profile),
                          "floor_ms": floor_ms(model, sessions, bandwidth)})
             print(json.dumps(rows[-1]), flush=True)
         del drafter

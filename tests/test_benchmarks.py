@@ -43,13 +43,18 @@ def test_prefill_interference_smoke_run_writes_its_table(tmp_path: Path) -> None
 
 
 def test_draft_step_smoke_run_writes_its_table(tmp_path: Path) -> None:
-    run_benchmark("draft_step.py", "--shape", "tiny", "--sessions", "1", "3", "--committed", "2", "--out-dir",
-                  str(tmp_path))
+    run_benchmark("draft_step.py", "--shape", "tiny", "--sessions", "1", "3", "--committed", "2", "--profile",
+                  "--out-dir", str(tmp_path))
     rows = json.loads((tmp_path / "draft_step_tiny.json").read_text())["rows"]
     assert [(r["sessions"], r["committed"], r["graphs"]) for r in rows] == [(1, 2, False), (3, 2, False)]
     for key in ("commit_ms", "draft_ms", "tree_ms", "whole_ms", "floor_ms"):
         assert all(math.isfinite(r[key]) and r[key] > 0 for r in rows), key
-    assert "| eager | 3 | 2 |" in (tmp_path / "draft_step_tiny.md").read_text()
+    text = (tmp_path / "draft_step_tiny.md").read_text()
+    assert "| eager | 3 | 2 |" in text
+    # NOTE: --profile: each stage's ops, the drafter's matmuls among the draft's
+    assert all(set(r["profile"]) == {"commit", "draft", "tree", "whole"} for r in rows)
+    assert any("mm" in e["op"] for e in rows[1]["profile"]["draft"]["host"])
+    assert "eager, 3 sessions, 2 committed, draft: ops by host time" in text
 
 
 def test_batch_step_smoke_run_writes_its_table(tmp_path: Path) -> None:
