@@ -114,9 +114,9 @@ QWEN3_06B_SHAPE = {"hidden_size": 1024, "intermediate_size": 3072, "num_hidden_l
                    "max_position_embeddings": 40960, "torch_dtype": "bfloat16"}
 
 
-# A CPU stand-in for the GPU runs' random models: wide enough that random weights at std 0.1 make chaotic text (the
-# n-gram drafter's acceptance ~1, as the random 8B model's on the GPU; narrower models fall into loops whatever the
-# weights), small enough for 64 sessions on two cores.
+# A CPU stand-in for the GPU runs' random models, small enough for 64 sessions on two cores. At std 0.02 random models
+# this small fall into loops an n-gram drafter predicts (1024-wide ones do not); at std 0.1 its greedy text is
+# chaotic (the n-gram drafter's acceptance ~1, as the random 8B model's on the GPU).
 SMALL_SHAPE = {"hidden_size": 256, "intermediate_size": 768, "num_attention_heads": 8, "num_key_value_heads": 4,
                "head_dim": 32, "torch_dtype": "float32"}
 
