@@ -126,7 +126,8 @@ def agreeing_prefix(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
-HISTOGRAMS = ("tree_budget", "batch_sessions", "batch_seconds", "step_gap_seconds", "draft_round_seconds")
+HISTOGRAMS = ("tree_budget", "batch_sessions", "batch_seconds", "step_gap_seconds", "draft_round_seconds",
+              "drafting_pass_host_seconds", "plain_step_host_seconds")
 
 
 def histogram_totals(metrics_url: str) -> dict[str, tuple[float, float]]:
@@ -295,6 +296,9 @@ def main() -> None:
                      "plain_floor_tokens_per_s": plain_floor_tokens_per_s(target, c, mean_context, bandwidth),
                      "batch_sessions": [spec["mean_batch_sessions"], plain["mean_batch_sessions"]],
                      "batch_ms": [spec["mean_batch_seconds"] * 1e3, plain["mean_batch_seconds"] * 1e3],
+                     "host_ms": [spec["mean_drafting_pass_host_seconds"] * 1e3,
+                                 spec["mean_plain_step_host_seconds"] * 1e3,
+                                 plain["mean_plain_step_host_seconds"] * 1e3],
                      "full_window_tokens_per_s": [spec["full_window_tokens_per_s"], plain["full_window_tokens_per_s"]],
                      "full_window_batch_ms": [none_or(run["full_window"]["batch_seconds"], 1e3)
                                               for run in (spec, plain)],
@@ -318,8 +322,9 @@ def main() -> None:
              "| mean TTFT ms, speculative / plain | mean acceptance "
              "| identical outputs | tokens agreeing before the first difference "
              "| full window: tok/s, speculative / plain | full window: ms per engine step, speculative / plain "
-             "| full window: ms between engine steps, speculative / plain | run |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| full window: ms between engine steps, speculative / plain "
+             "| host ms per drafting pass / per plain step, speculative; per plain step, plain | run |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     lines += [f"| {r['concurrency']} | {r['tree_budget']} | {r['mean_tree_budget']:.1f} "
               f"| {r['speculative_tokens_per_s']:.1f} | {r['plain_tokens_per_s']:.1f} | "
               f"{r['speedup']:.2f}x | {r['speculative_decode_tokens_per_s']:.0f} / "
@@ -333,6 +338,7 @@ def main() -> None:
               f"| {r['mean_agreeing_prefix']:.1f} of {args.max_new_tokens} "
               f"| {pair(r['full_window_tokens_per_s'], '.0f')} | {pair(r['full_window_batch_ms'], '.1f')} "
               f"| {pair(r['full_window_gap_ms'], '.1f')} "
+              f"| {r['host_ms'][0]:.2f} / {r['host_ms'][1]:.2f}; {r['host_ms'][2]:.2f} "
               f"| {r['run']} |" for r in rows]
     lines += ["", *summary(rows)]
     note = ("tok/s counts every generated token over the wall time of the whole run, prefill included; decode "
@@ -346,7 +352,9 @@ def main() -> None:
             "wall time in the engine, host work included; prefill chunks not counted). The full window is the "
             "stretch in which every session decodes (from the last first token to the first finish; '-' when there "
             "was none): no prefill shares the GPU there, and no tail of stragglers; the ms between engine steps are "
-            "what the engine does not run while sessions step (drafts, the loop's own work, waits). "
+            "what the engine does not run while sessions step (drafts, the loop's own work, waits). Host ms: the "
+            "verifier's step passes outside their engine calls and draft rounds (planning, handing events on, the "
+            "streams meanwhile), per drafting pass and per plain step of a burst; 0 where there was none. "
             "On the CPU (fp32) the outputs are asserted equal. In bf16 the verify step (prefix partials merged with "
             "the tree block) and a plain step round differently, so near-tied argmaxes can flip (counted here).")
     chosen = [f"- {r['concurrency']} sessions, run {r['run']}: "

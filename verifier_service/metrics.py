@@ -43,6 +43,14 @@ class VerifierMetrics:
         self.draft_round_seconds = Histogram("ddtree_verifier_draft_round_seconds", "Time from the start of a step "
                                              "pass until the drafts of all its sessions are in (one round trip to "
                                              "the drafters; passes that draft nothing are not counted)", registry=r)
+        host_buckets = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
+        self.drafting_pass_host_seconds = Histogram(
+            "ddtree_verifier_drafting_pass_host_seconds", "Time of a step pass that drafted outside its engine calls "
+            "and its draft round (planning, handing the events on, the streams that ran meanwhile)",
+            buckets=host_buckets, registry=r)
+        self.plain_step_host_seconds = Histogram(
+            "ddtree_verifier_plain_step_host_seconds", "Time of a plain step pass outside its engine calls, per "
+            "step of its burst (what the same host work costs each plain token)", buckets=host_buckets, registry=r)
         self.kv_pages_used = Gauge("ddtree_verifier_kv_pages_used", "KV pages in use", registry=r)
         self.kv_pages_free = Gauge("ddtree_verifier_kv_pages_free", "KV pages free", registry=r)
         self.sessions = Gauge("ddtree_verifier_sessions", "Open sessions", registry=r)

@@ -233,6 +233,7 @@ class StepLoop:
         started = time.perf_counter()
         plans = self._plans(steppers)
         drafting = [plan for plan in plans if plan.budget]
+        planned_at = time.perf_counter()
         await self._draft(drafting)
         drafted = time.perf_counter()
         if drafting:
@@ -243,9 +244,22 @@ class StepLoop:
         plans = [plan for plan in plans if self.steppers.get(plan.stepper.session_id) is plan.stepper]
         plans += [_Planned(stepper, 0) for stepper in self._ready(steppers[0].cohort)
                   if stepper.session_id not in planned and stepper.cursor.step == 0]
+        engine_s, forwards = 0.0, 0
         for batch in self._batches(plans):
-            await self._verify(batch, started, drafted)
-        self.cohort_step_seconds[steppers[0].cohort] = time.perf_counter() - drafted
+            batch_s, batch_forwards = await self._verify(batch, started, drafted)
+            engine_s, forwards = engine_s + batch_s, forwards + batch_forwards
+        ended = time.perf_counter()
+        self.cohort_step_seconds[steppers[0].cohort] = ended - drafted
+        if forwards and len(self.wakeups) == 1:  # NOTE: with cohorts, others' steps fill this pass's gaps
+            self._observe_host_work(bool(drafting), ended - started - engine_s - (drafted - planned_at), forwards)
+
+    def _observe_host_work(self, drafted: bool, outside_s: float, forwards: int) -> None:
+        """A pass spent `outside_s` seconds neither in its engine calls (`forwards` model forwards) nor waiting for
+        its draft round: a drafting pass pays it for one step, a plain pass shares it over its burst's steps."""
+        if drafted:
+            self.metrics.drafting_pass_host_seconds.observe(max(outside_s, 0.0))
+        else:
+            self.metrics.plain_step_host_seconds.observe(max(outside_s, 0.0) / forwards)
 
     def _plans(self, steppers: list[Stepper]) -> list[_Planned]:
         """The steppers' parts of this pass, in their order: a first step (or any step with no drafter) plain, the
@@ -307,24 +321,31 @@ class StepLoop:
             rows += size
         return batches
 
-    async def _verify(self, batch: list[_Planned], started: float, drafted: float) -> None:
-        """The batch's step, and its burst of plain steps where it has one. A batch that only decodes plainly
-        past its first steps is one burst (Engine.decode). Otherwise the tree step runs first, and its events go out
-        (a joining session's first token must not wait for a burst); when the batch has a plain session and none of
-        its drafts was accepted, everyone then goes on in a burst: the burst would only hold back sessions whose
-        drafts pay."""
+    async def _verify(self, batch: list[_Planned], started: float, drafted: float) -> tuple[float, int]:
+        """The batch's step, and its burst of plain steps where it has one; the seconds of its engine calls and the
+        forwards they ran (none where they failed). A batch that only decodes plainly past its first steps is one
+        burst (Engine.decode). Otherwise the tree step runs first, and its events go out (a joining session's first
+        token must not wait for a burst); when the batch has a plain session and none of its drafts was accepted,
+        everyone then goes on in a burst: the burst would only hold back sessions whose drafts pay."""
         wanted = self.engine.config.decode_burst_steps
         plain = [plan for plan in batch if plan.tree is None and plan.stepper.cursor.step]
         if wanted > 1 and len(plain) == len(batch):
-            if await self._burst(batch, wanted, started, drafted):
-                return
+            forwards = await self._burst(batch, wanted, started, drafted)
+            if forwards:
+                return self.last_call_seconds, forwards
             wanted = 1  # NOTE: the burst was refused (the KV cannot hold it, say): one step instead
         results = await self._step(batch, started, drafted)
-        if wanted > 1 and plain and results and not any(result.accepted for result in results):
+        if not results:
+            return 0.0, 0
+        engine_s, forwards = self.last_call_seconds, 1  # NOTE: this step's: no await since it ended
+        if wanted > 1 and plain and not any(result.accepted for result in results):
             going_on = [plan for plan in batch
                         if self.steppers.get(plan.stepper.session_id) is plan.stepper and plan.stepper.sink.has_room()]
             if going_on:
-                await self._burst([_Planned(plan.stepper, 0) for plan in going_on], wanted - 1, started, drafted)
+                burst = await self._burst([_Planned(plan.stepper, 0) for plan in going_on], wanted - 1, started,
+                                          drafted)
+                engine_s, forwards = engine_s + (self.last_call_seconds if burst else 0.0), forwards + burst
+        return engine_s, forwards
 
     async def _step(self, batch: list[_Planned], started: float, drafted: float) -> list[StepResult]:
         """The batch's verify step (a plain session's is its one row); its results, none when it failed."""
@@ -347,9 +368,9 @@ class StepLoop:
         self._deliver_all(batch, results, started, drafted)
         return results
 
-    async def _burst(self, batch: list[_Planned], wanted: int, started: float, drafted: float) -> bool:
-        """Up to `wanted` plain steps of the batch in one engine call; False when none ran (the KV cannot hold
-        it, or the engine refused it: the sessions then go on step by step, where a fault is isolated)."""
+    async def _burst(self, batch: list[_Planned], wanted: int, started: float, drafted: float) -> int:
+        """Up to `wanted` plain steps of the batch in one engine call; how many ran, 0 when none did (the KV cannot
+        hold it, or the engine refused it: the sessions then go on step by step, where a fault is isolated)."""
         session_ids = [plan.stepper.session_id for plan in batch]
         try:
             steps = self.engine.burst_length(session_ids, wanted)  # NOTE: raises for a session released meanwhile
@@ -357,11 +378,11 @@ class StepLoop:
         except Exception as error:  # noqa: BLE001 - a burst is an optimisation: its refusal fails no one
             if self.down_reason is None and not isinstance(error, CapacityError):
                 log.warning("a decode burst was refused: %s", error)
-            return False
+            return 0
         self._observe_batch([(session_id, DraftTree.empty()) for session_id in session_ids], results,
                             self.last_call_seconds / steps)
         self._deliver_all(batch, results, started, drafted)
-        return True
+        return steps
 
     async def _engine_call(self, fn: Callable[..., list[StepResult]], *args) -> list[StepResult]:
         """fn(*args) on the engine; `last_call_seconds` its wall time. NOTE: inline only when the loop has had a
