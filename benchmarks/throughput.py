@@ -233,7 +233,7 @@ def main() -> None:
     parser.add_argument("--random-shape", choices=tuple(RANDOM_SHAPES), default="qwen3-0.6b",
                         help="the shape --random-target writes ('small': fp32, for the CPU)")
     parser.add_argument("--random-target", type=Path,
-                        help="write a random Qwen3-0.6B-shaped bf16 model (byte-level tokenizer) here and use it")
+                        help="write a random model of --random-shape (byte-level tokenizer) here and use it")
     parser.add_argument("--random-std", type=float, default=0.02,
                         help="the random weights' standard deviation: 0.1 makes the small shape's greedy text seldom "
                              "repeat (n-gram acceptance ~1, as the random 8B model's on the GPU), 0.02 makes it loop")
