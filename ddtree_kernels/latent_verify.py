@@ -31,6 +31,11 @@ from ddtree_kernels.split_kv import (
 )
 from ddtree_kernels.verify_attention import MAX_TREE_LEN
 
+try:
+    from ddtree_kernels import latent_prefix_sm90
+except ImportError:  # NOTE: Gluon came with Triton 3.5; before it the Triton kernel serves every launch
+    latent_prefix_sm90 = None
+
 
 def default_latent_config(rows: int, value_dim: int) -> SplitConfig:
     """Tuned on an H200 (benchmarks/results/verify_attention_mla.md): 32-row tiles of one warpgroup beat 64-row
@@ -81,14 +86,14 @@ def _page_keys(table, start, end, stride_page, stride_slot, PAGE_SIZE: tl.conste
 def _latent_partials_kernel(
     q_ptr, pages_ptr, block_tables_ptr, prefix_lens_ptr, cu_q_ptr, tree_ptr, tree_mask_ptr,
     part_o_ptr, part_lse_ptr,  # [S, N, H, LORA] fp32, [S, N, H] fp32
-    qk_scale, num_splits,
+    qk_scale, num_splits, first_split,  # programs of split axis index i run split first_split + i
     stride_qn, stride_qh, stride_page, stride_slot, stride_bt, stride_tn, stride_mn,
     stride_ps, stride_pn, stride_ph, stride_ls, stride_ln,
     NUM_HEADS: tl.constexpr, LORA: tl.constexpr, ROPE: tl.constexpr, BLOCK_PE: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     m_block = tl.program_id(0)
-    split = tl.program_id(1)
+    split = tl.program_id(1) + first_split
     seq = tl.program_id(2)
     q_start = tl.load(cu_q_ptr + seq)
     q_len = tl.load(cu_q_ptr + seq + 1) - q_start
@@ -196,20 +201,29 @@ def latent_verify_attention(
     num_tokens, num_heads, latent_dim = q.shape
     num_seqs = block_tables.shape[0]
     rows = num_heads * max_tree_len
-    cfg = cfg or default_latent_config(rows, value_dim)
-    plan = plan_splits(num_seqs, 1, rows, max_prefix_len, q.device, cfg)
+    hopper = cfg is None and latent_prefix_sm90 is not None and latent_prefix_sm90.supports(q, value_dim, rows)
+    tree_cfg = cfg or default_latent_config(rows, value_dim)
+    plan = plan_splits(num_seqs, 1, rows, max_prefix_len, q.device, latent_prefix_sm90.CONFIG if hopper else tree_cfg)
     part_o = q.new_empty(plan.num_splits + 1, num_tokens, num_heads, value_dim, dtype=torch.float32)
     part_lse = q.new_empty(plan.num_splits + 1, num_tokens, num_heads, dtype=torch.float32)
     if num_tokens and num_seqs:
+        qk_scale = sm_scale * LOG2E
+        first_split, num_m_blocks, block_m, block_n = 0, plan.num_m_blocks, plan.block_m, plan.block_n
+        if hopper:  # the prefix splits on warpgroup MMAs; the tree split below, on the Triton kernel's tiles
+            if plan.num_splits:
+                latent_prefix_sm90.latent_prefix_partials(q, pages, block_tables, prefix_lens, cu_tree, part_o,
+                                                          part_lse, qk_scale, plan.num_splits, plan.num_m_blocks)
+            first_split, block_m, block_n = plan.num_splits, tree_cfg.block_m, tree_cfg.block_n
+            num_m_blocks = triton.cdiv(rows, block_m)
         rope = latent_dim - value_dim
-        _latent_partials_kernel[(plan.num_m_blocks, plan.num_splits + 1, num_seqs)](
+        _latent_partials_kernel[(num_m_blocks, plan.num_splits + 1 - first_split, num_seqs)](
             q, pages, block_tables, prefix_lens, cu_tree, tree_entries, tree_mask, part_o, part_lse,
-            sm_scale * LOG2E, plan.num_splits,
+            qk_scale, plan.num_splits, first_split,
             q.stride(0), q.stride(1), pages.stride(0), pages.stride(1), block_tables.stride(0),
             tree_entries.stride(0), tree_mask.stride(0),
             part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
             NUM_HEADS=num_heads, LORA=value_dim, ROPE=rope, BLOCK_PE=max(16, triton.next_power_of_2(rope)),
-            PAGE_SIZE=pages.shape[1], BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, DOT_PRECISION=dot_precision(q),
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            PAGE_SIZE=pages.shape[1], BLOCK_M=block_m, BLOCK_N=block_n, DOT_PRECISION=dot_precision(q),
+            num_warps=tree_cfg.num_warps, num_stages=tree_cfg.num_stages,
         )
     return merge_partials(part_o, part_lse, cu_tree, prefix_lens, plan, True, max_tree_len, q.dtype)

@@ -9,8 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from ddtree_kernels import latent_prefix_sm90
 from ddtree_kernels.commit_kv import commit_kv
-from ddtree_kernels.latent_verify import latent_verify_attention
+from ddtree_kernels.latent_verify import default_latent_config, latent_verify_attention
 from ddtree_kernels.reference import commit_rows_reference, latent_verify_attention_reference, pack_tree_mask
 from ddtree_kernels.split_kv import SplitConfig
 from tests.test_kernels import TOL, paged_kv, random_tree_mask
@@ -129,9 +130,13 @@ GPU_CASES = [
 @pytest.mark.gpu
 @pytest.mark.parametrize("lens,trees,heads,page_size", GPU_CASES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_latent_verify_gpu(lens, trees, heads, page_size, dtype):
+@pytest.mark.parametrize("kernel", ["default", "triton"])  # default: the warpgroup-MMA prefix on sm_90
+def test_latent_verify_gpu(lens, trees, heads, page_size, dtype, kernel):
     case = latent_case(lens, trees, heads, 512, 64, page_size, dtype, seed=len(lens), poison_stale=True)
-    check_latent(case, lens, trees)
+    rows = heads * max(trees)
+    if kernel == "default" and torch.cuda.get_device_capability()[0] == 9:
+        assert latent_prefix_sm90.supports(case["q"], 512, rows) == (rows >= 64)
+    check_latent(case, lens, trees, default_latent_config(rows, 512) if kernel == "triton" else None)
 
 
 @pytest.mark.gpu

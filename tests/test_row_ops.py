@@ -1,7 +1,8 @@
 """The device dispatch of the layers' row-wise ops (modeling/ops.py).
 
 Without CUDA the Triton set runs in Triton's CPU interpreter, so its routing (skinny GEMM or cuBLAS fallback,
-K and V written in place) is checked here against the torch set through a whole decoder layer.
+K and V written in place) is checked here against the torch set through a whole decoder layer; with CUDA the same
+check runs the compiled kernels.
 """
 
 from __future__ import annotations
@@ -55,17 +56,19 @@ def test_triton_ops_match_torch_ops_through_a_layer(monkeypatch: pytest.MonkeyPa
     layer = DecoderLayer(config, 0)
     for parameter in layer.parameters():
         torch.nn.init.normal_(parameter, mean=1.0 if parameter.dim() == 1 else 0.0, std=0.1)
-    layer = layer.half()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    layer = layer.half().to(device)
     if fused:
         layer.fuse_projections()
-    x, pending = (torch.randn(tokens, 64, dtype=torch.float16) for _ in range(2))
-    cos, sin = RotaryEmbedding(config.rope, 32)(torch.arange(tokens), torch.float16)
-    scratch = torch.zeros(2, tokens, 2, 32, dtype=torch.float16)
+    x, pending = (torch.randn(tokens, 64, dtype=torch.float16, device=device) for _ in range(2))
+    cos, sin = (t.to(device) for t in RotaryEmbedding(config.rope, 32)(torch.arange(tokens), torch.float16))
+    scratch = torch.zeros(2, tokens, 2, 32, dtype=torch.float16, device=device)
 
     def run(attend: ScratchAttention) -> tuple[torch.Tensor, ...]:  # the layer, and a norm with no residual add
         return *layer(0, x, pending, cos, sin, attend), layer.input_layernorm(x)
 
     with torch.no_grad():
+        monkeypatch.setattr(layers, "row_ops", lambda _: TorchRowOps())
         expected = run(ScratchAttention(*scratch.clone()))
         monkeypatch.setattr(layers, "row_ops", lambda _: TritonRowOps())
         got = run(ScratchAttention(*scratch))
