@@ -142,8 +142,9 @@ def main() -> None:
     parser.add_argument("--contexts", type=context_tokens, nargs="+", default=[32 << 10, 128 << 10])
     parser.add_argument("--decoders", type=int, default=4, help="sessions decoding beside the long prompt")
     parser.add_argument("--drafter", choices=("none", "ngram"), default="none")
-    parser.add_argument("--decoder-tokens", type=int, default=16384,
-                        help="the decoders' max new tokens: enough to outlast the long prefill (they are cancelled)")
+    parser.add_argument("--decoder-tokens", type=int, default=8192,
+                        help="the decoders' max new tokens (at most the gateway's limit, 8192 by default): enough to "
+                        "outlast the long prefill (they are cancelled)")
     parser.add_argument("--baseline-s", type=float, default=1.0, help="the decoders' time alone, for the baseline")
     parser.add_argument("--verifier-arg", action="append", default=[], metavar="WORDS",
                         help='more verifier options, e.g. --verifier-arg "--prefill-chunk 1024" (repeatable)')
