@@ -32,6 +32,20 @@ def test_e2e_step_smoke_run_writes_its_table(tmp_path: Path, shape: str) -> None
     assert "| 0k | 7 |" in (tmp_path / f"e2e_step_{shape}.md").read_text()
 
 
+def test_e2e_step_builds_no_hf_model_it_will_not_measure(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With every context past --hf-max-context the HF model is never built (GLM's does not fit an H100 beside
+    what our engine leaves allocated)."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import e2e_step
+
+    monkeypatch.setattr(e2e_step, "build_hf", lambda *_: pytest.fail("built the HF model"))
+    monkeypatch.setattr(sys, "argv", ["e2e_step.py", "--shape", "tiny", "--contexts", "64", "--budgets", "7",
+                                      "--hf-max-context", "0", "--out-dir", str(tmp_path)])
+    e2e_step.main()
+    (row,) = json.loads((tmp_path / "e2e_step_tiny.json").read_text())["rows"]
+    assert row["verify_ms"] > 0 and "hf_reference_ms" not in row
+
+
 def test_prefill_interference_smoke_run_writes_its_table(tmp_path: Path) -> None:
     run_benchmark("prefill_interference.py", "--shape", "tiny", "--contexts", "700", "--decoders", "2",
                   "--decoder-tokens", "1024", "--baseline-s", "0.2", "--out-dir", str(tmp_path))
