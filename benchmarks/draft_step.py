@@ -4,10 +4,11 @@ The stages of `DFlashDrafter.draft`: the commit (each session's newly committed 
 mirror's context K/V), the draft (the forward of the block and the per-depth top-k, back on the host) and the
 tree (the DDTree heap per session); then the whole call as the drafter service runs it. Each stage is timed
 alone with the GPU synchronised around it, with the drafts replayed from CUDA graphs and, for comparison,
-launched op by op. The floor reads the drafter's weights (its layers, fc, the LM head) and every session's
-context K/V once at the measured copy bandwidth. A 5-layer, block-16 drafter shaped for the target (random
-weights), context window W = 1024, every mirror full; the committed rows' features start on the host, as
-they arrive over gRPC.
+launched op by op. The floor is a roofline: the drafter's weights (its layers, fc, the LM head) and every
+session's context K/V read once at the measured copy bandwidth, or the draft's FLOPs at the measured bf16 matmul
+rate, whichever is longer (many sessions make the LM head over their block rows compute-bound). A 5-layer,
+block-16 drafter shaped for the target (random weights), context window W = 1024, every mirror full; the
+committed rows' features start on the host, as they arrive over gRPC.
 
     python benchmarks/draft_step.py [--shape qwen3-8b] [--sessions 1 16 64] [--committed 1 4] [--budget 15]
         [--profile] [--out-dir DIR]
@@ -28,6 +29,7 @@ from benchmarks.e2e_step import (  # noqa: E402
     WINDOW,
     copy_bandwidth,
     git_commit,
+    matmul_rate,
     shape_of,
     synchronize,
     timed,
@@ -56,12 +58,20 @@ def build_drafter_model(name: str) -> tuple[DFlashModel, str]:
     return model, device
 
 
-def floor_ms(model: DFlashModel, sessions: int, bandwidth: float) -> float:
-    """The weights a draft reads (not the embedding: B rows of it) and every session's W + B context rows."""
-    weights = sum(p.numel() * p.element_size() for name, p in model.named_parameters() if "embed" not in name)
-    config = model.config.model
-    context = sessions * (WINDOW + model.config.block_size) * config.num_layers * 2 * config.num_kv_heads
-    return 1e3 * (weights + context * config.head_dim * 2) / bandwidth
+def floor_ms(model: DFlashModel, sessions: int, bandwidth: float, rate: float) -> dict[str, float]:
+    """The draft's roofline: bytes (the weights it reads, not the embedding: B rows of it, and every session's
+    W + B context rows) at `bandwidth`, FLOPs (every weight once per block row, attention over W + B keys) at
+    `rate`; `floor_ms` is the longer."""
+    params = [(name, p) for name, p in model.named_parameters() if "embed" not in name]
+    config, block = model.config.model, model.config.block_size
+    context = sessions * (WINDOW + block) * config.num_layers * 2 * config.num_kv_heads
+    weight_bytes = sum(p.numel() * p.element_size() for _, p in params)
+    rows = sessions * block
+    attention = 4 * rows * (WINDOW + block) * config.num_heads * config.head_dim * config.num_layers
+    flops = 2 * rows * sum(p.numel() for _, p in params) + attention
+    floor = {"floor_bytes_ms": 1e3 * (weight_bytes + context * config.head_dim * 2) / bandwidth,
+             "floor_flops_ms": 1e3 * flops / rate}
+    return {**floor, "floor_ms": max(floor.values())}
 
 
 def measure(drafter: DFlashDrafter, sessions: int, committed: int, budget: int, profile: bool = False) -> dict:
@@ -117,15 +127,17 @@ def profiled(fn, calls: int = 5, top: int = 8) -> dict[str, list[dict]]:
 
 def markdown(result: dict) -> str:
     columns = ["drafts", "sessions", "rows committed per session", "commit", "draft + top-k", "tree", "whole draft",
-               "floor", "whole / floor"]
+               "floor (bytes / FLOPs)", "whole / floor"]
     rows = [["CUDA graphs" if r["graphs"] else "eager", str(r["sessions"]), str(r["committed"]),
-             *(f"{r[key]:.2f}" for key in ("commit_ms", "draft_ms", "tree_ms", "whole_ms", "floor_ms")),
+             *(f"{r[key]:.2f}" for key in ("commit_ms", "draft_ms", "tree_ms", "whole_ms")),
+             f"{r['floor_ms']:.2f} ({r['floor_bytes_ms']:.2f} / {r['floor_flops_ms']:.2f})",
              f"{r['whole_ms'] / r['floor_ms']:.1f}x"] for r in result["rows"]]
     title = (f"One DFlash draft step per stage ({result['shape']} drafter, budget {result['budget']}, "
              f"{result['device']})")
     text = titled_table(title, result["command"], columns, rows) + (
         f"\nTimes in ms, the mean of 10 calls with the device synchronised around each stage. Copy bandwidth "
-        f"{result['bandwidth'] / 1e12:.2f} TB/s. Commit {result['commit']}.\n")
+        f"{result['bandwidth'] / 1e12:.2f} TB/s, bf16 matmul {result['rate'] / 1e12:.3g} TFLOP/s. "
+        f"Commit {result['commit']}.\n")
     for r in result["rows"]:
         for stage, ops in r.get("profile", {}).items():
             for kind, events in ops.items():
@@ -149,7 +161,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.manual_seed(0)
     model, device = build_drafter_model(args.shape)
-    bandwidth = copy_bandwidth(device)
+    bandwidth, rate = copy_bandwidth(device), matmul_rate(device)
     paths = [path == "graphs" for path in args.paths if device == "cuda" or path == "eager"]
     rows = []
     for graphs in paths:
@@ -158,12 +170,12 @@ def main() -> None:
         drafter.warmup()
         for sessions, committed in itertools.product(args.sessions, args.committed):
             rows.append({**measure(drafter, sessions, committed, args.budget, args.profile),
-                         "floor_ms": floor_ms(model, sessions, bandwidth)})
+                         **floor_ms(model, sessions, bandwidth, rate)})
             print(json.dumps(rows[-1]), flush=True)
         del drafter
     result = {"command": "python " + " ".join(sys.argv), "shape": args.shape, "budget": args.budget,
               "device": "CPU" if device == "cpu" else torch.cuda.get_device_name(), "torch": torch.__version__,
-              "bandwidth": bandwidth, "commit": git_commit(), "rows": rows}
+              "bandwidth": bandwidth, "rate": rate, "commit": git_commit(), "rows": rows}
     write_results(args.out_dir, f"draft_step_{args.shape}", result, markdown(result))
 
 
