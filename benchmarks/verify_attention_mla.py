@@ -29,8 +29,7 @@ from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.verify_attention import copy_bandwidth, matmul_rate, time_graph  # noqa: E402
-from ddtree_kernels import latent_prefix_sm90  # noqa: E402
-from ddtree_kernels.latent_verify import default_latent_config, latent_verify_attention  # noqa: E402
+from ddtree_kernels.latent_verify import default_latent_config, latent_verify_attention, prefix_config  # noqa: E402
 from ddtree_kernels.lse_merge import merge_partials  # noqa: E402
 from ddtree_kernels.reference import pack_tree_mask  # noqa: E402
 from ddtree_kernels.split_kv import SplitConfig, plan_splits  # noqa: E402
@@ -198,8 +197,7 @@ def stage_times(entries: torch.Tensor, problem: Problem, gen: torch.Generator) -
     """Stage-drop variants: the partials launch alone (it writes what the merge reads) and the merge alone."""
     case = Case(entries, problem, gen)
     rows = problem.heads * problem.tree_len
-    hopper = latent_prefix_sm90.supports(case.q, LORA, rows)
-    cfg = latent_prefix_sm90.CONFIG if hopper else default_latent_config(rows, LORA)
+    cfg = prefix_config(case.q, LORA, rows)
     plan = plan_splits(1, 1, rows, problem.prefix_len, case.q.device, cfg)
     full = time_graph(case.ours())
     part_o = torch.randn(plan.num_splits + 1, problem.tree_len, problem.heads, LORA, device="cuda")

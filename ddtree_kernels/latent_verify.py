@@ -37,6 +37,16 @@ except ImportError:  # NOTE: Gluon came with Triton 3.5; before it the Triton ke
     latent_prefix_sm90 = None
 
 
+def hopper_prefix(q: torch.Tensor, value_dim: int, rows: int) -> bool:
+    """Whether the prefix splits of this launch run on the warpgroup-MMA kernel (`latent_prefix_sm90`)."""
+    return latent_prefix_sm90 is not None and latent_prefix_sm90.supports(q, value_dim, rows)
+
+
+def prefix_config(q: torch.Tensor, value_dim: int, rows: int) -> SplitConfig:
+    """The default launch shape of the prefix splits (the split count and chunking the merge shares)."""
+    return latent_prefix_sm90.CONFIG if hopper_prefix(q, value_dim, rows) else default_latent_config(rows, value_dim)
+
+
 def default_latent_config(rows: int, value_dim: int) -> SplitConfig:
     """Tuned on an H200 (benchmarks/results/verify_attention_mla.md): 32-row tiles of one warpgroup beat 64-row
     tiles over one or two warpgroups at every head count and tree size measured (the [BLOCK_M, kv_lora_rank]
@@ -201,9 +211,9 @@ def latent_verify_attention(
     num_tokens, num_heads, latent_dim = q.shape
     num_seqs = block_tables.shape[0]
     rows = num_heads * max_tree_len
-    hopper = cfg is None and latent_prefix_sm90 is not None and latent_prefix_sm90.supports(q, value_dim, rows)
-    tree_cfg = cfg or default_latent_config(rows, value_dim)
-    plan = plan_splits(num_seqs, 1, rows, max_prefix_len, q.device, latent_prefix_sm90.CONFIG if hopper else tree_cfg)
+    hopper = cfg is None and hopper_prefix(q, value_dim, rows)
+    triton_cfg = cfg or default_latent_config(rows, value_dim)
+    plan = plan_splits(num_seqs, 1, rows, max_prefix_len, q.device, cfg or prefix_config(q, value_dim, rows))
     part_o = q.new_empty(plan.num_splits + 1, num_tokens, num_heads, value_dim, dtype=torch.float32)
     part_lse = q.new_empty(plan.num_splits + 1, num_tokens, num_heads, dtype=torch.float32)
     if num_tokens and num_seqs:
@@ -213,7 +223,7 @@ def latent_verify_attention(
             if plan.num_splits:
                 latent_prefix_sm90.latent_prefix_partials(q, pages, block_tables, prefix_lens, cu_tree, part_o,
                                                           part_lse, qk_scale, plan.num_splits, plan.num_m_blocks)
-            first_split, block_m, block_n = plan.num_splits, tree_cfg.block_m, tree_cfg.block_n
+            first_split, block_m, block_n = plan.num_splits, triton_cfg.block_m, triton_cfg.block_n
             num_m_blocks = triton.cdiv(rows, block_m)
         rope = latent_dim - value_dim
         _latent_partials_kernel[(num_m_blocks, plan.num_splits + 1 - first_split, num_seqs)](
@@ -224,6 +234,6 @@ def latent_verify_attention(
             part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
             NUM_HEADS=num_heads, LORA=value_dim, ROPE=rope, BLOCK_PE=max(16, triton.next_power_of_2(rope)),
             PAGE_SIZE=pages.shape[1], BLOCK_M=block_m, BLOCK_N=block_n, DOT_PRECISION=dot_precision(q),
-            num_warps=tree_cfg.num_warps, num_stages=tree_cfg.num_stages,
+            num_warps=triton_cfg.num_warps, num_stages=triton_cfg.num_stages,
         )
     return merge_partials(part_o, part_lse, cu_tree, prefix_lens, plan, True, max_tree_len, q.dtype)
