@@ -27,9 +27,25 @@ def test_e2e_step_smoke_run_writes_its_table(tmp_path: Path, shape: str) -> None
     (row,) = json.loads((tmp_path / f"e2e_step_{shape}.json").read_text())["rows"]
     assert (row["context"], row["budget"]) == (64, 7)
     for key in ("verify_ms", "verify_eager_ms", "engine_step_ms", "draft_and_step_ms", "hf_reference_ms",
-                "roofline_ms"):
+                "roofline_ms", "serial_floor_ms"):
         assert math.isfinite(row[key]) and row[key] > 0, key
     assert "| 0k | 7 |" in (tmp_path / f"e2e_step_{shape}.md").read_text()
+
+
+def test_e2e_step_serial_floor_counts_compute_bound_attention_beside_bandwidth_bound_weights(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both parts bandwidth-bound: the two floors agree. Attention compute-bound while the weights are not: the
+    whole-step roofline lets attention's FLOPs hide under the weights' bytes, the serial floor adds them."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from e2e_step import roofline_ms, serial_floor_ms
+
+    floor = {"bandwidth": 1e12, "rate": 1e14}  # 1 ms per GB, 1 ms per 100 GFLOP
+    bandwidth_bound = {"weight_bytes": 4e9, "weight_flops": 1e11, "kv_bytes": 2e9, "attention_flops": 1e11}
+    assert roofline_ms(bandwidth_bound, floor) == pytest.approx(6.0)
+    assert serial_floor_ms(bandwidth_bound, floor) == pytest.approx(6.0)
+    compute_bound_attention = {**bandwidth_bound, "attention_flops": 5e11}
+    assert roofline_ms(compute_bound_attention, floor) == pytest.approx(6.0)
+    assert serial_floor_ms(compute_bound_attention, floor) == pytest.approx(9.0)
 
 
 def test_e2e_step_builds_no_hf_model_it_will_not_measure(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
