@@ -8,6 +8,7 @@ distinct opening per session), so that n-gram drafting hits. Writes long_context
 
     python benchmarks/long_context.py --shape qwen3-8b [--contexts 32k 128k 185k] [--drafters ngram dflash none]
         [--sessions 1] [--max-new-tokens 256] [--tree-budget 15] [--budget-policy fixed|adaptive]
+        [--tree-budgets 7 15 31 63 adaptive]
         [--verifier-arg "--prefill-chunk 128"] [--kv-budget-mb MB] [--checkpoint-dir DIR] [--out-dir DIR]
     python benchmarks/long_context.py --shape tiny --contexts 512 --drafters ngram none   # CPU smoke run
 
@@ -16,6 +17,9 @@ the tiny model (one token per character of the prompt), on CUDA, with a 5-layer 
 published shape (random weights too: its acceptance says nothing, its cost per step does); each is written to
 `--checkpoint-dir` the first time a run needs it (the target takes a minute or two) and reused. `tiny` is the
 built-in tiny model and its DFlash drafter, on the CPU.
+
+`--tree-budgets` runs every context once per choice on the same stack (a speculative drafter's requests pin the
+budget, or leave it to the verifier's adaptive policy), and the table sets each against the best fixed one.
 
 A run too long for one sitting splits by drafter (or context): later parts add their rows with `--merge`, e.g.
     python benchmarks/long_context.py --shape qwen3-8b --drafters none ngram
@@ -152,9 +156,9 @@ class Stream:
     prefill_messages: int = 0
 
 
-async def generate(client: AsyncClient, text: str, max_new_tokens: int) -> Stream:
+async def generate(client: AsyncClient, text: str, max_new_tokens: int, tree_budget: int) -> Stream:
     stream = Stream(RequestRecord(sent_at=time.perf_counter()))
-    generation = client.generate(text, max_new_tokens=max_new_tokens, ignore_eos=True)
+    generation = client.generate(text, max_new_tokens=max_new_tokens, ignore_eos=True, tree_budget=tree_budget)
     async for event in generation.events():
         if isinstance(event, gateway_pb2.GenerateChunk):
             # NOTE: the first chunk is the first token (TTFT); later gaps are one step each
@@ -167,11 +171,13 @@ async def generate(client: AsyncClient, text: str, max_new_tokens: int) -> Strea
     return stream
 
 
-async def run_sessions(gateway: str, texts: list[str], max_new_tokens: int) -> tuple[list[Stream], float]:
+async def run_sessions(gateway: str, texts: list[str], max_new_tokens: int,
+                       tree_budget: int = 0) -> tuple[list[Stream], float]:
+    """`tree_budget` pinned by every request (0: the verifier's policy)."""
     client = AsyncClient(gateway, timeout=3600)
     try:
         started = time.perf_counter()
-        streams = await asyncio.gather(*(generate(client, text, max_new_tokens) for text in texts))
+        streams = await asyncio.gather(*(generate(client, text, max_new_tokens, tree_budget) for text in texts))
         return list(streams), time.perf_counter() - started
     finally:
         await client.close()
@@ -188,8 +194,8 @@ def mean_or_none(values: list[float]) -> float | None:
     return statistics.mean(values) if values else None
 
 
-def context_row(drafter: str, context: int, streams: list[Stream], duration_s: float, before: dict[str, float],
-                after: dict[str, float]) -> dict:
+def context_row(drafter: str, context: int, budget: str, streams: list[Stream], duration_s: float,
+                before: dict[str, float], after: dict[str, float]) -> dict:
     """One (context, drafter) result. Per session: decode tokens/s is the tokens after the first over the time
     from the first chunk to the last; ms per step is that time over the steps after the first. The verifier's
     step time is its `ddtree_verifier_step_seconds` over this run's steps (the engine step as the generation loop
@@ -203,7 +209,7 @@ def context_row(drafter: str, context: int, streams: list[Stream], duration_s: f
     verify_ms = 1e3 * delta["ddtree_verifier_step_seconds_sum"] / steps if steps else None
     per_session = [tokens / seconds for tokens, seconds, _ in decode if seconds > 0]
     return {
-        "drafter": drafter, "context": context, "sessions": len(streams),
+        "drafter": drafter, "context": context, "budget": budget, "sessions": len(streams),
         "prompt_tokens": report["input_tokens"], "output_tokens": report["output_tokens"],
         "ttft_ms": report["ttft_ms"]["mean"], "ttft_max_ms": max(1e3 * r.ttft_s for r in records),
         "prefill_messages": statistics.mean(s.prefill_messages for s in streams),
@@ -228,6 +234,7 @@ class StackPlan:
     verifier_args: tuple[str, ...]
     drafter_args: tuple[str, ...]
     texts: dict[int, list[str]]
+    budgets: dict[str, int]  # a speculative drafter's runs per context: name -> the requests' pinned budget
     max_new_tokens: int
     start_timeout_s: float
     log_dir: Path | None
@@ -251,22 +258,33 @@ def measure(drafter: str, plan: StackPlan) -> tuple[list[dict], float]:
         asyncio.run(run_sessions(gateway, prompts(1, min(WARM_UP_TOKENS, *plan.texts)), 16))
         start_s = time.perf_counter() - started
         rows = []
+        budgets = {"-": 0} if drafter == "none" else plan.budgets
         for context, texts in plan.texts.items():
-            before = verifier_counters(metrics_port)
-            streams, duration_s = asyncio.run(run_sessions(gateway, texts, plan.max_new_tokens))
-            rows.append(context_row(drafter, context, streams, duration_s, before, verifier_counters(metrics_port)))
-            print(json.dumps(rows[-1]), flush=True)
+            for budget, pin in budgets.items():
+                before = verifier_counters(metrics_port)
+                streams, duration_s = asyncio.run(run_sessions(gateway, texts, plan.max_new_tokens, pin))
+                rows.append(context_row(drafter, context, budget, streams, duration_s, before,
+                                        verifier_counters(metrics_port)))
+                print(json.dumps(rows[-1]), flush=True)
         return rows, start_s
     finally:
         stack.stop()
 
 
 def add_speedups(rows: list[dict]) -> None:
-    """Each row's decode tokens/s over plain decoding's at its context (when plain ran)."""
+    """Each row's decode tokens/s over plain decoding's at its context (when plain ran), and over the best fixed
+    budget's of its drafter and context (when several ran)."""
     plain = {r["context"]: r["decode_tokens_per_s"] for r in rows if r["drafter"] == "none"}
+    best_fixed: dict[tuple[str, int], float] = {}
+    for row in rows:
+        if row.get("budget", "-").isdigit() and row["decode_tokens_per_s"]:
+            key = (row["drafter"], row["context"])
+            best_fixed[key] = max(best_fixed.get(key, 0.0), row["decode_tokens_per_s"])
     for row in rows:
         base = plain.get(row["context"])
         row["speedup_vs_plain"] = row["decode_tokens_per_s"] / base if base and row["decode_tokens_per_s"] else None
+        best = best_fixed.get((row["drafter"], row["context"]))
+        row["vs_best_fixed"] = row["decode_tokens_per_s"] / best if best and row["decode_tokens_per_s"] else None
 
 
 def device_name(device: str) -> str:
@@ -287,8 +305,9 @@ def merge(result: dict, earlier: dict) -> dict:
     """`result` with the rows of an earlier run of the same settings that it did not measure again (the rows of
     one drafter and context are the latest run's), and the earlier runs listed before its own."""
     check_mergeable(earlier, result["shape"], result["settings"])
-    measured = {(r["drafter"], r["context"]) for r in result["rows"]}
-    rows = [r for r in earlier["rows"] if (r["drafter"], r["context"]) not in measured] + result["rows"]
+    measured = {(r["drafter"], r["context"], r.get("budget", "-")) for r in result["rows"]}
+    rows = [r for r in earlier["rows"] if (r["drafter"], r["context"], r.get("budget", "-")) not in measured]
+    rows += result["rows"]
     return {**result, "runs": earlier["runs"] + result["runs"], "rows": rows}
 
 
@@ -309,20 +328,25 @@ def markdown(result: dict) -> str:
               + (f", budget policy {settings['budget_policy']}" if settings["budget_policy"] else "")
               + (f"; verifier arguments `{shlex.join(settings['verifier_args'])}`" if settings["verifier_args"]
                  else "") + ".", "",
-              "| context | drafter | TTFT ms (mean / max) | decode tok/s per session | all sessions | vs plain "
-              "| ms / step | verifier step ms | outside the verifier ms | mean acceptance | mean tree budget "
-              "| draft misses |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "| context | drafter | budget | TTFT ms (mean / max) | decode tok/s per session | all sessions "
+              "| vs plain | vs best fixed budget | ms / step | verifier step ms | outside the verifier ms "
+              "| mean acceptance | mean tree budget | draft misses |", "|---" * 14 + "|"]
     for r in result["rows"]:
         speedup = "-" if r["speedup_vs_plain"] is None else f"{r['speedup_vs_plain']:.2f}x"
-        lines.append(f"| {context_label(r['context'])} | {r['drafter']} | {r['ttft_ms']:.0f} / {r['ttft_max_ms']:.0f} "
-                     f"| {cell(r['decode_tokens_per_s'])} | {cell(r['decode_tokens_per_s_all_sessions'])} | {speedup} "
+        vs_best = "-" if r.get("vs_best_fixed") is None else f"{r['vs_best_fixed']:.2f}x"
+        lines.append(f"| {context_label(r['context'])} | {r['drafter']} | {r.get('budget', '-')} | "
+                     f"{r['ttft_ms']:.0f} / {r['ttft_max_ms']:.0f} | {cell(r['decode_tokens_per_s'])} | "
+                     f"{cell(r['decode_tokens_per_s_all_sessions'])} | {speedup} | {vs_best} "
                      f"| {cell(r['ms_per_step'], 2)} | {cell(r['verifier_step_ms'], 2)} | "
                      f"{cell(r['outside_verifier_ms_per_step'], 2)} | {cell(r['mean_acceptance_length'], 2)} | "
                      f"{cell(r.get('mean_tree_budget'))} | {r['draft_misses']} |")
     lines += ["", "TTFT: request to the first token at the client (the prefill, streamed as PrefillProgress messages "
               "before it; concurrent sessions queue behind each other's prefills). Decode tok/s: a session's tokens "
               "after the first over the time from its first chunk to its last; all sessions: their sum; vs plain: "
-              "per session, against drafter none at the same context. ms / step: that time over the steps after "
+              "per session, against drafter none at the same context; vs best fixed budget: against the fastest "
+              "pinned budget of the same drafter and context (issue 23's adaptive target: >= 0.95x). Budget: the "
+              "tree budget the requests pinned, adaptive (the verifier's policy chose per step) or - (the verifier's "
+              "--tree-budget, or plain decoding). ms / step: that time over the steps after "
               "the first (one chunk per step). Verifier step: the verifier's own `ddtree_verifier_step_seconds` "
               "(batch, verify, accept, commit, as the generation loop waits for it) over the run's steps, the first "
               "(the prompt's last token, undrafted) included; outside the verifier: drafting, gRPC and the gateway. "
@@ -349,6 +373,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tree-budget", type=int, default=15, help="the verifier's draft tree nodes per step")
     parser.add_argument("--budget-policy", choices=("fixed", "adaptive"),
                         help="passed to the verifier (an error if its command line has no such option)")
+    parser.add_argument("--tree-budgets", nargs="+", metavar="B|adaptive",
+                        help="a run per choice for every speculative drafter and context, on one stack: a budget the "
+                             "requests pin, or adaptive (the verifier's policy, then --budget-policy adaptive); the "
+                             "verifier's maximum is the largest number given")
     parser.add_argument("--verifier-arg", action="append", default=[], metavar="WORDS",
                         help='more verifier options, e.g. --verifier-arg "--prefill-chunk 128" (repeatable)')
     parser.add_argument("--drafter-arg", action="append", default=[], metavar="WORDS",
@@ -371,19 +399,39 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def budget_pins(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str, int]:
+    """The speculative runs per context, by name, with the budget their requests pin (0: the verifier's policy).
+    With `--tree-budgets`, sets the verifier's maximum (`--tree-budget`) to the largest fixed one, and its policy to
+    adaptive where adaptive is a choice."""
+    if not args.tree_budgets:
+        return {"-": 0}
+    pins = {}
+    for choice in args.tree_budgets:
+        if choice != "adaptive" and not (choice.isdigit() and int(choice) > 0):
+            parser.error(f"--tree-budgets: {choice!r} is neither a budget >= 1 nor 'adaptive'")
+        pins[choice] = 0 if choice == "adaptive" else int(choice)
+    if "adaptive" in pins:
+        if args.budget_policy == "fixed":
+            parser.error("--tree-budgets adaptive needs the verifier's adaptive policy, not --budget-policy fixed")
+        args.budget_policy = "adaptive"
+    args.tree_budget = max((pin for pin in pins.values() if pin), default=args.tree_budget)
+    return pins
+
+
 def main() -> None:
     parser = build_parser()
     args = parser.parse_args()
     started = time.perf_counter()
     if args.sessions < 1 or args.max_new_tokens < 2:
         parser.error("--sessions must be >= 1 and --max-new-tokens >= 2 (a step after the first token)")
+    pins = budget_pins(parser, args)
     extra_verifier = verifier_words(args)
     if unknown := unknown_to_verifier(extra_verifier):
         parser.error(f"the verifier (verifier_service/server.py) has no option {' '.join(unknown)}")
     extra_drafter = [word for value in args.drafter_arg for word in shlex.split(value)]
     settings = {"sessions": args.sessions, "max_new_tokens": args.max_new_tokens, "tree_budget": args.tree_budget,
                 "budget_policy": args.budget_policy, "page_size": args.page_size, "verifier_args": extra_verifier,
-                "drafter_args": extra_drafter}
+                "drafter_args": extra_drafter, **({"tree_budgets": args.tree_budgets} if args.tree_budgets else {})}
     json_path, md_path = (args.out_dir / f"long_context_{args.shape}.{ext}" for ext in ("json", "md"))
     earlier = None
     if args.merge:  # NOTE: checked before the (long) measurements, not after them
@@ -405,7 +453,7 @@ def main() -> None:
                              "--kv-budget-mb", f"{kv_mb:.1f}", "--page-size", str(args.page_size), *extra_verifier),
                      tuple(extra_drafter), {context: [text[:context] for text in prompts(args.sessions, context)]
                                             for context in args.contexts},
-                     args.max_new_tokens, args.start_timeout_s, args.log_dir)
+                     pins, args.max_new_tokens, args.start_timeout_s, args.log_dir)
     rows, start_s = [], {}
     for drafter in args.drafters:
         drafter_rows, start_s[drafter] = measure(drafter, plan)

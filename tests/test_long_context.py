@@ -33,7 +33,21 @@ def test_smoke_run_reports_ttft_decode_rate_step_times_and_acceptance(tmp_path: 
     assert rows["none"]["speedup_vs_plain"] == 1
     assert rows["ngram"]["speedup_vs_plain"] > 0
     table = (tmp_path / "long_context_tiny.md").read_text()
-    assert run["command"] in table and "| 512 | ngram |" in table and "| 512 | none |" in table
+    assert run["command"] in table and "| 512 | ngram | - |" in table and "| 512 | none | - |" in table
+
+
+def test_tree_budgets_run_each_choice_on_one_stack_against_the_best_fixed(tmp_path: Path) -> None:
+    run_benchmark("long_context.py", "--shape", "tiny", "--contexts", "300", "--drafters", "ngram",
+                  "--tree-budgets", "3", "7", "adaptive", "--max-new-tokens", "24", "--out-dir", str(tmp_path))
+    result = json.loads((tmp_path / "long_context_tiny.json").read_text())
+    assert result["settings"]["budget_policy"] == "adaptive" and result["settings"]["tree_budget"] == 7
+    rows = {row["budget"]: row for row in result["rows"]}
+    assert list(rows) == ["3", "7", "adaptive"] and set(result["runs"][0]["stack_start_s"]) == {"ngram"}
+    assert rows["3"]["mean_tree_budget"] == 3 and rows["7"]["mean_tree_budget"] == 7  # pinned by the requests
+    assert 0 <= rows["adaptive"]["mean_tree_budget"] <= 7  # the verifier's policy, within its maximum
+    assert max(rows["3"]["vs_best_fixed"], rows["7"]["vs_best_fixed"]) == 1
+    assert rows["adaptive"]["vs_best_fixed"] > 0
+    assert "| 300 | ngram | adaptive |" in (tmp_path / "long_context_tiny.md").read_text()
 
 
 def test_help_and_a_verifier_option_it_does_not_have() -> None:
@@ -43,6 +57,11 @@ def test_help_and_a_verifier_option_it_does_not_have() -> None:
                               "--verifier-arg", "--no-such-option 1"], cwd=ROOT, env=env, capture_output=True,
                              text=True, timeout=120)
     assert refused.returncode == 2 and "--no-such-option" in refused.stderr
+    for words, message in ((["--tree-budgets", "0"], "neither a budget"),
+                           (["--tree-budgets", "adaptive", "--budget-policy", "fixed"], "adaptive policy")):
+        refused = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "long_context.py"), "--shape", "tiny",
+                                  *words], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+        assert refused.returncode == 2 and message in refused.stderr, refused.stderr
 
 
 def test_context_sizes_take_k_suffixes() -> None:
