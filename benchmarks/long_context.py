@@ -207,6 +207,11 @@ def context_row(drafter: str, context: int, budget: str, streams: list[Stream], 
     steps = delta.get("ddtree_verifier_step_seconds_count", 0.0)
     ms_per_step = mean_or_none([1e3 * seconds / gaps for _, seconds, gaps in decode if gaps > 0])
     verify_ms = 1e3 * delta["ddtree_verifier_step_seconds_sum"] / steps if steps else None
+
+    def mean_ms(histogram: str) -> float | None:
+        count = delta.get(f"{histogram}_count", 0.0)
+        return 1e3 * delta[f"{histogram}_sum"] / count if count else None
+
     per_session = [tokens / seconds for tokens, seconds, _ in decode if seconds > 0]
     return {
         "drafter": drafter, "context": context, "budget": budget, "sessions": len(streams),
@@ -216,6 +221,9 @@ def context_row(drafter: str, context: int, budget: str, streams: list[Stream], 
         "decode_tokens_per_s": mean_or_none(per_session), "decode_tokens_per_s_all_sessions": sum(per_session),
         "ms_per_step": ms_per_step, "verifier_step_ms": verify_ms,
         "outside_verifier_ms_per_step": None if ms_per_step is None or verify_ms is None else ms_per_step - verify_ms,
+        # per drafting pass: planning and the round trip, and of it the drafters' own time (their replies' draft_ms)
+        "draft_round_ms": mean_ms("ddtree_verifier_draft_round_seconds"),
+        "drafter_compute_ms": mean_ms("ddtree_verifier_drafter_compute_seconds"),
         "mean_acceptance_length": report["mean_acceptance_length"], "steps": int(steps),
         "drafted_nodes_per_step": delta.get("ddtree_verifier_drafted_nodes_total", 0.0) / steps if steps else None,
         # the tree budget the verifier chose per step after each generation's first (where it reports it)
@@ -330,7 +338,8 @@ def markdown(result: dict) -> str:
                  else "") + ".", "",
               "| context | drafter | budget | TTFT ms (mean / max) | decode tok/s per session | all sessions "
               "| vs plain | vs best fixed budget | ms / step | verifier step ms | outside the verifier ms "
-              "| mean acceptance | mean tree budget | draft misses |", "|---" * 14 + "|"]
+              "| draft round ms | the drafter's own ms | mean acceptance | mean tree budget | draft misses |",
+              "|---" * 16 + "|"]
     for r in result["rows"]:
         speedup = "-" if r["speedup_vs_plain"] is None else f"{r['speedup_vs_plain']:.2f}x"
         vs_best = "-" if r.get("vs_best_fixed") is None else f"{r['vs_best_fixed']:.2f}x"
@@ -338,7 +347,8 @@ def markdown(result: dict) -> str:
                      f"{r['ttft_ms']:.0f} / {r['ttft_max_ms']:.0f} | {cell(r['decode_tokens_per_s'])} | "
                      f"{cell(r['decode_tokens_per_s_all_sessions'])} | {speedup} | {vs_best} "
                      f"| {cell(r['ms_per_step'], 2)} | {cell(r['verifier_step_ms'], 2)} | "
-                     f"{cell(r['outside_verifier_ms_per_step'], 2)} | {cell(r['mean_acceptance_length'], 2)} | "
+                     f"{cell(r['outside_verifier_ms_per_step'], 2)} | {cell(r.get('draft_round_ms'), 2)} | "
+                     f"{cell(r.get('drafter_compute_ms'), 2)} | {cell(r['mean_acceptance_length'], 2)} | "
                      f"{cell(r.get('mean_tree_budget'))} | {r['draft_misses']} |")
     lines += ["", "TTFT: request to the first token at the client (the prefill, streamed as PrefillProgress messages "
               "before it; concurrent sessions queue behind each other's prefills). Decode tok/s: a session's tokens "
@@ -350,6 +360,9 @@ def markdown(result: dict) -> str:
               "the first (one chunk per step). Verifier step: the verifier's own `ddtree_verifier_step_seconds` "
               "(batch, verify, accept, commit, as the generation loop waits for it) over the run's steps, the first "
               "(the prompt's last token, undrafted) included; outside the verifier: drafting, gRPC and the gateway. "
+              "Draft round: per pass that drafted, from its start (the budgets' planning) until every draft is in "
+              "(`ddtree_verifier_draft_round_seconds`); the drafter's own: the longest reply's draft_ms in that "
+              "round (the replica's commit, forward and trees), so the round less it is the hop. "
               "Mean acceptance: tokens per step, the first included. Mean tree budget: the draft nodes the verifier "
               "asked for per step after the first (`ddtree_verifier_tree_budget`; its policy's choice)."
               + (" Random weights: the DFlash drafter's acceptance means nothing, its cost per step does; the n-gram "

@@ -235,6 +235,7 @@ def test_the_verifier_pool_drafts_over_grpc_and_its_sessions_close_with_the_stre
                 history.append(root)
                 assert tree.tokens == reference_tree(history)
             assert SCHEDULER not in {name for name, _ in drafter.batches} and len(drafter.batches) == 3
+            assert histogram(pool.metrics, "ddtree_verifier_drafter_compute_seconds")[0] == 3  # one per round
             assert servicer.open_ids == {"s"}
             await pool.stop()
             for _ in range(100):
@@ -390,6 +391,29 @@ def test_replies_written_field_by_field_equal_the_constructed_messages() -> None
     assert [_message(reply) for reply in pending] == expected
     trees = [reply.tree for reply in pending if isinstance(reply, _TreeReply)]
     assert [_tree_from_pb(r.tree.tree) for r in batch.batch.replies if r.WhichOneof("kind") == "tree"] == trees
+
+
+def histogram(metrics: VerifierMetrics, name: str) -> tuple[float, float]:
+    """A histogram's (count, sum)."""
+    samples = {s.name: s.value for family in metrics.registry.collect() for s in family.samples}
+    return samples[f"{name}_count"], samples[f"{name}_sum"]
+
+
+def test_a_round_counts_its_trees_per_replica_and_the_drafters_time_of_its_slowest_reply() -> None:
+    pool = DrafterPool("127.0.0.1:9", VerifierMetrics())
+
+    def tree(replica: str, draft_ms: float) -> drafter_pb2.DrafterReply:
+        return drafter_pb2.DrafterReply(tree=drafter_pb2.DrafterTree(session_id="s", replica_id=replica,
+                                                                    draft_ms=draft_ms))
+
+    error = drafter_pb2.DrafterReply(error=drafter_pb2.DrafterSessionError(session_id="s", code=5))
+    pool._tally([tree("r0", 0.5), tree("r1", 2.0), error, ConnectionError(), None, tree("r0", 1.0)])
+    assert histogram(pool.metrics, "ddtree_verifier_drafter_compute_seconds") == (1, 0.002)
+    trees = {s.labels["replica"]: s.value for family in pool.metrics.registry.collect() for s in family.samples
+             if s.name == "ddtree_verifier_trees_total"}
+    assert trees == {"r0": 2, "r1": 1}
+    pool._tally([error, None])  # a round without a tree tells nothing of the drafters' time
+    assert histogram(pool.metrics, "ddtree_verifier_drafter_compute_seconds")[0] == 1
 
 
 def test_a_step_reads_back_on_the_drafter_as_the_verifier_sent_it() -> None:

@@ -411,7 +411,7 @@ class DrafterPool:
             if waiting.left:
                 await asyncio.wait((waiting.done,), timeout=self.timeout_s)
             trees = [self._tree(ask, waiting.replies) for ask in asked]
-            self._count_trees(waiting.replies)
+            self._tally(waiting.replies)
             return trees
         finally:
             for ask in asked:
@@ -450,11 +450,16 @@ class DrafterPool:
             return None
         return _tree_from_pb(reply.tree.tree)
 
-    def _count_trees(self, replies: list[drafter_pb2.DrafterReply | ConnectionError | None]) -> None:
-        """The round's trees per replica, one increment each (an increment takes a lock)."""
+    def _tally(self, replies: list[drafter_pb2.DrafterReply | ConnectionError | None]) -> None:
+        """The round's trees per replica, one increment each (an increment takes a lock), and the drafters' own
+        time in it: the round waited for its slowest reply."""
         counts: dict[str, int] = {}
+        compute_ms = None
         for reply in replies:
             if isinstance(reply, drafter_pb2.DrafterReply) and reply.WhichOneof("kind") == "tree":
                 counts[reply.tree.replica_id] = counts.get(reply.tree.replica_id, 0) + 1
+                compute_ms = max(compute_ms or 0.0, reply.tree.draft_ms)
         for replica_id, count in counts.items():
             self._trees_from(replica_id).inc(count)
+        if compute_ms is not None:
+            self.metrics.drafter_compute_seconds.observe(compute_ms / 1e3)

@@ -43,6 +43,10 @@ class VerifierMetrics:
         self.draft_round_seconds = Histogram("ddtree_verifier_draft_round_seconds", "Time from the start of a step "
                                              "pass until the drafts of all its sessions are in (one round trip to "
                                              "the drafters; passes that draft nothing are not counted)", registry=r)
+        self.drafter_compute_seconds = Histogram(
+            "ddtree_verifier_drafter_compute_seconds", "The drafters' own time in a draft round: the longest of its "
+            "replies' draft_ms (a replica's commit, forward and trees for the batch that held the step); the round "
+            "less this is the hop (serialization, gRPC, queueing)", registry=r)
         host_buckets = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
         self.drafting_pass_host_seconds = Histogram(
             "ddtree_verifier_drafting_pass_host_seconds", "Time of a step pass that drafted outside its engine calls "
