@@ -224,6 +224,11 @@ def context_row(drafter: str, context: int, budget: str, streams: list[Stream], 
         # per drafting pass: planning and the round trip, and of it the drafters' own time (their replies' draft_ms)
         "draft_round_ms": mean_ms("ddtree_verifier_draft_round_seconds"),
         "drafter_compute_ms": mean_ms("ddtree_verifier_drafter_compute_seconds"),
+        # the verifier's loop beside its engine calls (in the JSON only): per plain step, per drafting pass, and the
+        # engine's idle gap between steps
+        "plain_step_host_ms": mean_ms("ddtree_verifier_plain_step_host_seconds"),
+        "drafting_pass_host_ms": mean_ms("ddtree_verifier_drafting_pass_host_seconds"),
+        "step_gap_ms": mean_ms("ddtree_verifier_step_gap_seconds"),
         "mean_acceptance_length": report["mean_acceptance_length"], "steps": int(steps),
         "drafted_nodes_per_step": delta.get("ddtree_verifier_drafted_nodes_total", 0.0) / steps if steps else None,
         # the tree budget the verifier chose per step after each generation's first (where it reports it)
