@@ -316,7 +316,7 @@ def check_mergeable(earlier: dict, shape: str, settings: dict) -> None:
 
 def merge(result: dict, earlier: dict) -> dict:
     """`result` with the rows of an earlier run of the same settings that it did not measure again (the rows of
-    one drafter and context are the latest run's), and the earlier runs listed before its own."""
+    one drafter, context and budget are the latest run's), and the earlier runs listed before its own."""
     check_mergeable(earlier, result["shape"], result["settings"])
     measured = {(r["drafter"], r["context"], r.get("budget", "-")) for r in result["rows"]}
     rows = [r for r in earlier["rows"] if (r["drafter"], r["context"], r.get("budget", "-")) not in measured]
