@@ -8,7 +8,7 @@ distinct opening per session), so that n-gram drafting hits. Writes long_context
 
     python benchmarks/long_context.py --shape qwen3-8b [--contexts 32k 128k 185k] [--drafters ngram dflash none]
         [--sessions 1] [--max-new-tokens 256] [--tree-budget 15] [--budget-policy fixed|adaptive]
-        [--tree-budgets 7 15 31 63 adaptive]
+        [--tree-budgets 7 15 31 63 adaptive] [--repeats 3]
         [--verifier-arg "--prefill-chunk 128"] [--kv-budget-mb MB] [--checkpoint-dir DIR] [--out-dir DIR]
     python benchmarks/long_context.py --shape tiny --contexts 512 --drafters ngram none   # CPU smoke run
 
@@ -19,7 +19,8 @@ published shape (random weights too: its acceptance says nothing, its cost per s
 built-in tiny model and its DFlash drafter, on the CPU.
 
 `--tree-budgets` runs every context once per choice on the same stack (a speculative drafter's requests pin the
-budget, or leave it to the verifier's adaptive policy), and the table sets each against the best fixed one.
+budget, or leave it to the verifier's adaptive policy), and the table sets each against the best fixed one;
+`--repeats N` runs each N times (every other time in reverse order) and compares their medians.
 
 A run too long for one sitting splits by drafter (or context): later parts add their rows with `--merge`, e.g.
     python benchmarks/long_context.py --shape qwen3-8b --drafters none ngram
@@ -248,6 +249,7 @@ class StackPlan:
     drafter_args: tuple[str, ...]
     texts: dict[int, list[str]]
     budgets: dict[str, int]  # a speculative drafter's runs per context: name -> the requests' pinned budget
+    repeats: int  # runs of each budget per context, every other one in reverse order
     max_new_tokens: int
     start_timeout_s: float
     log_dir: Path | None
@@ -273,26 +275,43 @@ def measure(drafter: str, plan: StackPlan) -> tuple[list[dict], float]:
         rows = []
         budgets = {"-": 0} if drafter == "none" else plan.budgets
         for context, texts in plan.texts.items():
-            for budget, pin in budgets.items():
-                before = verifier_counters(metrics_port)
-                streams, duration_s = asyncio.run(run_sessions(gateway, texts, plan.max_new_tokens, pin))
-                rows.append(context_row(drafter, context, budget, streams, duration_s, before,
-                                        verifier_counters(metrics_port)))
-                print(json.dumps(rows[-1]), flush=True)
+            for repeat in range(plan.repeats):
+                for budget, pin in (reversed if repeat % 2 else list)(budgets.items()):
+                    before = verifier_counters(metrics_port)
+                    streams, duration_s = asyncio.run(run_sessions(gateway, texts, plan.max_new_tokens, pin))
+                    rows.append({**context_row(drafter, context, budget, streams, duration_s, before,
+                                               verifier_counters(metrics_port)), "run": repeat + 1})
+                    print(json.dumps(rows[-1]), flush=True)
         return rows, start_s
     finally:
         stack.stop()
 
 
+def median_rates(rows: list[dict]) -> dict[tuple[str, int, str], tuple[int, float]]:
+    """(drafter, context, budget) -> (runs, median decode tokens/s per session), over the rows that have a rate."""
+    rates: dict[tuple[str, int, str], list[float]] = {}
+    for row in rows:
+        if row["decode_tokens_per_s"]:
+            rates.setdefault((row["drafter"], row["context"], row.get("budget", "-")), []).append(
+                row["decode_tokens_per_s"])
+    return {key: (len(values), statistics.median(values)) for key, values in rates.items()}
+
+
+def best_fixed_rates(medians: dict[tuple[str, int, str], tuple[int, float]]) -> dict[tuple[str, int], float]:
+    """(drafter, context) -> the best median rate of a pinned budget."""
+    best: dict[tuple[str, int], float] = {}
+    for (drafter, context, budget), (_, rate) in medians.items():
+        if budget.isdigit():
+            best[drafter, context] = max(best.get((drafter, context), 0.0), rate)
+    return best
+
+
 def add_speedups(rows: list[dict]) -> None:
     """Each row's decode tokens/s over plain decoding's at its context (when plain ran), and over the best fixed
-    budget's of its drafter and context (when several ran)."""
-    plain = {r["context"]: r["decode_tokens_per_s"] for r in rows if r["drafter"] == "none"}
-    best_fixed: dict[tuple[str, int], float] = {}
-    for row in rows:
-        if row.get("budget", "-").isdigit() and row["decode_tokens_per_s"]:
-            key = (row["drafter"], row["context"])
-            best_fixed[key] = max(best_fixed.get(key, 0.0), row["decode_tokens_per_s"])
+    budget's of its drafter and context (when several ran); with repeats, against their medians."""
+    medians = median_rates(rows)
+    plain = {context: rate for (drafter, context, _), (_, rate) in medians.items() if drafter == "none"}
+    best_fixed = best_fixed_rates(medians)
     for row in rows:
         base = plain.get(row["context"])
         row["speedup_vs_plain"] = row["decode_tokens_per_s"] / base if base and row["decode_tokens_per_s"] else None
@@ -341,14 +360,14 @@ def markdown(result: dict) -> str:
               + (f", budget policy {settings['budget_policy']}" if settings["budget_policy"] else "")
               + (f"; verifier arguments `{shlex.join(settings['verifier_args'])}`" if settings["verifier_args"]
                  else "") + ".", "",
-              "| context | drafter | budget | TTFT ms (mean / max) | decode tok/s per session | all sessions "
+              "| context | drafter | budget | run | TTFT ms (mean / max) | decode tok/s per session | all sessions "
               "| vs plain | vs best fixed budget | ms / step | verifier step ms | outside the verifier ms "
               "| draft round ms | the drafter's own ms | mean acceptance | mean tree budget | draft misses |",
-              "|---" * 16 + "|"]
+              "|---" * 17 + "|"]
     for r in result["rows"]:
         speedup = "-" if r["speedup_vs_plain"] is None else f"{r['speedup_vs_plain']:.2f}x"
         vs_best = "-" if r.get("vs_best_fixed") is None else f"{r['vs_best_fixed']:.2f}x"
-        lines.append(f"| {context_label(r['context'])} | {r['drafter']} | {r.get('budget', '-')} | "
+        lines.append(f"| {context_label(r['context'])} | {r['drafter']} | {r.get('budget', '-')} | {r.get('run', 1)} | "
                      f"{r['ttft_ms']:.0f} / {r['ttft_max_ms']:.0f} | {cell(r['decode_tokens_per_s'])} | "
                      f"{cell(r['decode_tokens_per_s_all_sessions'])} | {speedup} | {vs_best} "
                      f"| {cell(r['ms_per_step'], 2)} | {cell(r['verifier_step_ms'], 2)} | "
@@ -373,6 +392,17 @@ def markdown(result: dict) -> str:
               + (" Random weights: the DFlash drafter's acceptance means nothing, its cost per step does; the n-gram "
                  "drafter hits because the prompt and the random model's output repeat themselves."
                  if result["shape"] != "tiny" else ""), ""]
+    medians = median_rates(result["rows"])
+    if any(runs > 1 for runs, _ in medians.values()):
+        best_fixed = best_fixed_rates(medians)
+        lines += ["Medians over the runs (the adaptive target, issue 23: >= 0.95x the best fixed budget's median):",
+                  "", "| context | drafter | budget | runs | median decode tok/s | vs best fixed budget |",
+                  "|---|---|---|---|---|---|"]
+        for (drafter, context, budget), (runs, rate) in medians.items():
+            best = best_fixed.get((drafter, context))
+            lines.append(f"| {context_label(context)} | {drafter} | {budget} | {runs} | {rate:.1f} | "
+                         + (f"{rate / best:.2f}x |" if best else "- |"))
+        lines.append("")
     return "\n".join(lines)
 
 
@@ -395,6 +425,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="a run per choice for every speculative drafter and context, on one stack: a budget the "
                              "requests pin, or adaptive (the verifier's policy, then --budget-policy adaptive); the "
                              "verifier's maximum is the largest number given")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="runs of every budget per context, every other one in reverse order; the table adds "
+                             "their medians")
     parser.add_argument("--verifier-arg", action="append", default=[], metavar="WORDS",
                         help='more verifier options, e.g. --verifier-arg "--prefill-chunk 128" (repeatable)')
     parser.add_argument("--drafter-arg", action="append", default=[], metavar="WORDS",
@@ -440,8 +473,8 @@ def main() -> None:
     parser = build_parser()
     args = parser.parse_args()
     started = time.perf_counter()
-    if args.sessions < 1 or args.max_new_tokens < 2:
-        parser.error("--sessions must be >= 1 and --max-new-tokens >= 2 (a step after the first token)")
+    if args.sessions < 1 or args.max_new_tokens < 2 or args.repeats < 1:
+        parser.error("--sessions and --repeats must be >= 1 and --max-new-tokens >= 2 (a step after the first token)")
     pins = budget_pins(parser, args)
     extra_verifier = verifier_words(args)
     if unknown := unknown_to_verifier(extra_verifier):
@@ -449,7 +482,8 @@ def main() -> None:
     extra_drafter = [word for value in args.drafter_arg for word in shlex.split(value)]
     settings = {"sessions": args.sessions, "max_new_tokens": args.max_new_tokens, "tree_budget": args.tree_budget,
                 "budget_policy": args.budget_policy, "page_size": args.page_size, "verifier_args": extra_verifier,
-                "drafter_args": extra_drafter, **({"tree_budgets": args.tree_budgets} if args.tree_budgets else {})}
+                "drafter_args": extra_drafter, **({"tree_budgets": args.tree_budgets} if args.tree_budgets else {}),
+                **({"repeats": args.repeats} if args.repeats > 1 else {})}
     json_path, md_path = (args.out_dir / f"long_context_{args.shape}.{ext}" for ext in ("json", "md"))
     earlier = None
     if args.merge:  # NOTE: checked before the (long) measurements, not after them
@@ -471,7 +505,7 @@ def main() -> None:
                              "--kv-budget-mb", f"{kv_mb:.1f}", "--page-size", str(args.page_size), *extra_verifier),
                      tuple(extra_drafter), {context: [text[:context] for text in prompts(args.sessions, context)]
                                             for context in args.contexts},
-                     pins, args.max_new_tokens, args.start_timeout_s, args.log_dir)
+                     pins, args.repeats, args.max_new_tokens, args.start_timeout_s, args.log_dir)
     rows, start_s = [], {}
     for drafter in args.drafters:
         drafter_rows, start_s[drafter] = measure(drafter, plan)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -42,16 +43,27 @@ def test_smoke_run_reports_ttft_decode_rate_step_times_and_acceptance(tmp_path: 
 
 def test_tree_budgets_run_each_choice_on_one_stack_against_the_best_fixed(tmp_path: Path) -> None:
     run_benchmark("long_context.py", "--shape", "tiny", "--contexts", "300", "--drafters", "ngram",
-                  "--tree-budgets", "3", "7", "adaptive", "--max-new-tokens", "24", "--out-dir", str(tmp_path))
+                  "--tree-budgets", "3", "7", "adaptive", "--repeats", "2", "--max-new-tokens", "24",
+                  "--out-dir", str(tmp_path))
     result = json.loads((tmp_path / "long_context_tiny.json").read_text())
-    assert result["settings"]["budget_policy"] == "adaptive" and result["settings"]["tree_budget"] == 7
-    rows = {row["budget"]: row for row in result["rows"]}
-    assert list(rows) == ["3", "7", "adaptive"] and set(result["runs"][0]["stack_start_s"]) == {"ngram"}
-    assert rows["3"]["mean_tree_budget"] == 3 and rows["7"]["mean_tree_budget"] == 7  # pinned by the requests
-    assert 0 <= rows["adaptive"]["mean_tree_budget"] <= 7  # the verifier's policy, within its maximum
-    assert max(rows["3"]["vs_best_fixed"], rows["7"]["vs_best_fixed"]) == 1
-    assert rows["adaptive"]["vs_best_fixed"] > 0
-    assert "| 300 | ngram | adaptive |" in (tmp_path / "long_context_tiny.md").read_text()
+    settings = result["settings"]
+    assert (settings["budget_policy"], settings["tree_budget"], settings["repeats"]) == ("adaptive", 7, 2)
+    assert set(result["runs"][0]["stack_start_s"]) == {"ngram"}
+    # every other repeat in reverse order
+    assert [(r["budget"], r["run"]) for r in result["rows"]] == [
+        ("3", 1), ("7", 1), ("adaptive", 1), ("adaptive", 2), ("7", 2), ("3", 2)]
+    for row in result["rows"]:
+        if row["budget"] != "adaptive":  # pinned by the requests
+            assert row["mean_tree_budget"] == int(row["budget"])
+        else:  # the verifier's policy, within its maximum
+            assert 0 <= row["mean_tree_budget"] <= 7
+        assert row["vs_best_fixed"] > 0
+    medians = {b: statistics.median(r["decode_tokens_per_s"] for r in result["rows"] if r["budget"] == b)
+               for b in ("3", "7", "adaptive")}
+    best = max(medians["3"], medians["7"])
+    table = (tmp_path / "long_context_tiny.md").read_text()
+    assert "| 300 | ngram | adaptive | 2 |" in table  # the second run's row
+    assert f"| 300 | ngram | adaptive | 2 | {medians['adaptive']:.1f} | {medians['adaptive'] / best:.2f}x |" in table
 
 
 def test_help_and_a_verifier_option_it_does_not_have() -> None:
