@@ -44,7 +44,7 @@ from pathlib import Path
 
 from e2e_step import git_commit, shape_of
 from prometheus_client.parser import text_string_to_metric_families
-from throughput import prompts
+from throughput import add_budget_sweep_args, budget_pins, prompts
 
 from ddtree.bench import RequestRecord, summarize
 from ddtree.client import AsyncClient
@@ -421,13 +421,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tree-budget", type=int, default=15, help="the verifier's draft tree nodes per step")
     parser.add_argument("--budget-policy", choices=("fixed", "adaptive"),
                         help="passed to the verifier (an error if its command line has no such option)")
-    parser.add_argument("--tree-budgets", nargs="+", metavar="B|adaptive",
-                        help="a run per choice for every speculative drafter and context, on one stack: a budget the "
-                             "requests pin, or adaptive (the verifier's policy, then --budget-policy adaptive); the "
-                             "verifier's maximum is the largest number given")
-    parser.add_argument("--repeats", type=int, default=1,
-                        help="runs of every budget per context, every other one in reverse order; the table adds "
-                             "their medians")
+    add_budget_sweep_args(parser, "context")  # NOTE: adaptive among them sets --budget-policy adaptive
     parser.add_argument("--verifier-arg", action="append", default=[], metavar="WORDS",
                         help='more verifier options, e.g. --verifier-arg "--prefill-chunk 128" (repeatable)')
     parser.add_argument("--drafter-arg", action="append", default=[], metavar="WORDS",
@@ -450,17 +444,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def budget_pins(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str, int]:
+def sweep_pins(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str, int]:
     """The speculative runs per context, by name, with the budget their requests pin (0: the verifier's policy).
     With `--tree-budgets`, sets the verifier's maximum (`--tree-budget`) to the largest fixed one, and its policy to
     adaptive where adaptive is a choice."""
     if not args.tree_budgets:
         return {"-": 0}
-    pins = {}
-    for choice in args.tree_budgets:
-        if choice != "adaptive" and not (choice.isdigit() and int(choice) > 0):
-            parser.error(f"--tree-budgets: {choice!r} is neither a budget >= 1 nor 'adaptive'")
-        pins[choice] = 0 if choice == "adaptive" else int(choice)
+    pins = budget_pins(args.tree_budgets, parser.error)
     if "adaptive" in pins:
         if args.budget_policy == "fixed":
             parser.error("--tree-budgets adaptive needs the verifier's adaptive policy, not --budget-policy fixed")
@@ -475,7 +465,7 @@ def main() -> None:
     started = time.perf_counter()
     if args.sessions < 1 or args.max_new_tokens < 2 or args.repeats < 1:
         parser.error("--sessions and --repeats must be >= 1 and --max-new-tokens >= 2 (a step after the first token)")
-    pins = budget_pins(parser, args)
+    pins = sweep_pins(parser, args)
     extra_verifier = verifier_words(args)
     if unknown := unknown_to_verifier(extra_verifier):
         parser.error(f"the verifier (verifier_service/server.py) has no option {' '.join(unknown)}")

@@ -109,6 +109,28 @@ async def run_sessions(gateway: str, texts: list[str], max_new_tokens: int, tree
             "decode_tokens_per_s": sum(r[4] for r in results), "itl_p50_ms": itl["p50"], "itl_p99_ms": itl["p99"]}
 
 
+def add_budget_sweep_args(parser: argparse.ArgumentParser, per: str) -> None:
+    """--tree-budgets and --repeats, as this script and long_context.py take them (`per`: what a run is per)."""
+    parser.add_argument("--tree-budgets", nargs="+", metavar="B|adaptive",
+                        help=f"one speculative run per choice and {per} on the same stack: a budget pinned by the "
+                             "requests, or 'adaptive' (the verifier's policy); the verifier's maximum is the largest "
+                             "number given")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help=f"runs of every choice per {per}, every other one in reverse order; the summary gives "
+                             "medians")
+
+
+def budget_pins(choices: list[str], error: Callable[[str], None]) -> dict[str, int]:
+    """--tree-budgets' choices by name, with the budget their requests pin (0: the verifier's policy); `error`
+    (the parser's) for a choice that is neither a budget >= 1 nor 'adaptive'."""
+    pins = {}
+    for choice in choices:
+        if choice != "adaptive" and not (choice.isdigit() and int(choice) > 0):
+            error(f"--tree-budgets: {choice!r} is neither a budget >= 1 nor 'adaptive'")
+        pins[choice] = 0 if choice == "adaptive" else int(choice)
+    return pins
+
+
 def plain_floor_tokens_per_s(target: str, sessions: int, context: int, bandwidth: float) -> float:
     """What plain decoding of `sessions` sessions at `context` tokens can reach at most on this device: each step
     reads the layer and LM-head weights once and every session's KV (bytes / the measured copy bandwidth)."""
@@ -245,13 +267,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=4096, help="prompt length in characters (~tokens)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--tree-budget", type=int, default=15)
-    parser.add_argument("--tree-budgets", nargs="+", metavar="B|adaptive",
-                        help="one speculative run per choice on the same stack: a budget pinned by the requests, or "
-                             "'adaptive' (the verifier's policy); the verifier's maximum is the largest number given "
-                             "(default: the --tree-budget run alone)")
-    parser.add_argument("--repeats", type=int, default=1,
-                        help="runs of every choice at each concurrency, every other one in reverse order; the summary "
-                             "gives medians")
+    add_budget_sweep_args(parser, "concurrency")  # NOTE: without --tree-budgets, the --tree-budget run alone
     parser.add_argument("--verifier-arg", action="append", default=[], metavar="WORDS",
                         help="more words for the verifier, e.g. \"--gil-switch-interval-ms 5\" (repeatable)")
     parser.add_argument("--out-dir", type=Path, default=Path(__file__).parent / "results")
@@ -262,8 +278,7 @@ def main() -> None:
                                       std=args.random_std))
     if target is None:
         raise SystemExit("--target DIR or --tiny")
-    choices = args.tree_budgets or [str(args.tree_budget)]
-    pins = {choice: 0 if choice == "adaptive" else int(choice) for choice in choices}
+    pins = budget_pins(args.tree_budgets or [str(args.tree_budget)], parser.error)
     max_budget = max((pin for pin in pins.values() if pin), default=args.tree_budget)
     verifier_args = ("--tree-budget", str(max_budget), "--max-context", str(args.context + 2048),
                      "--budget-policy", "adaptive" if "adaptive" in pins else "fixed",
