@@ -121,12 +121,13 @@ def add_budget_sweep_args(parser: argparse.ArgumentParser, per: str) -> None:
 
 
 def budget_pins(choices: list[str], error: Callable[[str], None]) -> dict[str, int]:
-    """--tree-budgets' choices by name, with the budget their requests pin (0: the verifier's policy); `error`
-    (the parser's) for a choice that is neither a budget >= 1 nor 'adaptive'."""
+    """--tree-budgets' choices by name, with the budget their requests pin: 0 (a choice of "0", or "adaptive")
+    leaves it to the verifier's --tree-budget and policy; `error` (the parser's) for a choice that is neither a
+    budget >= 0 nor 'adaptive'."""
     pins = {}
     for choice in choices:
-        if choice != "adaptive" and not (choice.isdigit() and int(choice) > 0):
-            error(f"--tree-budgets: {choice!r} is neither a budget >= 1 nor 'adaptive'")
+        if choice != "adaptive" and not choice.isdigit():
+            error(f"--tree-budgets: {choice!r} is neither a budget >= 0 nor 'adaptive'")
         pins[choice] = 0 if choice == "adaptive" else int(choice)
     return pins
 

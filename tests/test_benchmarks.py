@@ -188,3 +188,16 @@ def test_the_full_window_runs_from_the_last_first_token_to_the_first_finish(monk
     early.finish(1.0)  # a finished before b started: no moment had both decoding
     early.chunk(True, 1, 2.0)
     assert early.tokens_per_s is None and early.snapshots == []
+
+
+def test_budget_choices_take_zero_for_the_verifiers_own_budget(monkeypatch) -> None:
+    """`--tree-budgets 0` (plain stacks' commands in throughput_decode_bursts.md) pins nothing; a word is refused."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from benchmarks.throughput import budget_pins
+
+    def refuse(message: str) -> None:
+        raise SystemExit(message)  # NOTE: as the parser's error does
+
+    assert budget_pins(["0", "7", "adaptive"], refuse) == {"0": 0, "7": 7, "adaptive": 0}
+    with pytest.raises(SystemExit, match="'seven' is neither a budget >= 0 nor 'adaptive'"):
+        budget_pins(["seven"], refuse)

@@ -73,7 +73,7 @@ def test_help_and_a_verifier_option_it_does_not_have() -> None:
                               "--verifier-arg", "--no-such-option 1"], cwd=ROOT, env=env, capture_output=True,
                              text=True, timeout=120)
     assert refused.returncode == 2 and "--no-such-option" in refused.stderr
-    for words, message in ((["--tree-budgets", "0"], "neither a budget"),
+    for words, message in ((["--tree-budgets", "seven"], "neither a budget"),
                            (["--tree-budgets", "adaptive", "--budget-policy", "fixed"], "adaptive policy")):
         refused = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "long_context.py"), "--shape", "tiny",
                                   *words], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
