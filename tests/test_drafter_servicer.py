@@ -20,7 +20,17 @@ from drafter_service.servicer import DrafterServicer, _message, _step_from_pb, _
 from modeling.speculation import DrafterSeed, DraftStep
 from modeling.tree import DraftTree
 from proto import common_pb2, drafter_pb2, drafter_pb2_grpc
-from verifier_service.drafter_pool import DrafterPool, ReplicaLink, _step_pb, _tree_from_pb
+from proto.tensors import from_proto
+from verifier_service.drafter_pool import (
+    DrafterPool,
+    FeatureWindow,
+    Outgoing,
+    ReplicaLink,
+    _open_pb,
+    _step_pb,
+    _tree_from_pb,
+    sized,
+)
 from verifier_service.metrics import VerifierMetrics
 
 PROMPT = [5, 6, 7, 8, 5, 6, 7, 9, 5, 6]
@@ -334,10 +344,10 @@ def test_the_verifier_pool_batches_a_steps_requests_where_the_replica_takes_batc
 def test_a_link_sends_what_queued_together_as_one_batch_and_ends_at_the_close(monkeypatch) -> None:
     """A request alone goes as itself; requests queued in one turn go as one message, no larger than BATCH_BYTES
     (a seed's features can take megabytes), and the end marker among them still ends the stream after them."""
-    def close(session_id: str) -> drafter_pb2.DrafterRequest:
-        return drafter_pb2.DrafterRequest(close=drafter_pb2.DrafterClose(session_id=session_id))
+    def close(session_id: str) -> Outgoing:
+        return sized(drafter_pb2.DrafterRequest(close=drafter_pb2.DrafterClose(session_id=session_id)))
 
-    monkeypatch.setattr("verifier_service.drafter_pool.BATCH_BYTES", 2 * close("b").ByteSize())
+    monkeypatch.setattr("verifier_service.drafter_pool.BATCH_BYTES", 2 * close("b").size)
 
     async def main() -> tuple:
         link = ReplicaLink("127.0.0.1:1", lambda _: None, lambda: None)  # NOTE: never connected
@@ -420,9 +430,40 @@ def test_a_step_reads_back_on_the_drafter_as_the_verifier_sent_it() -> None:
     features = torch.randn(2, 3)
     for step in (DraftStep("a", 3, [4, 5], None, 6, 70, 15), DraftStep("b", 1, [], None, 2, 9, 1),
                  DraftStep("c", 2, [7, 8], features, 9, 10, 4)):
-        message = drafter_pb2.DrafterStep.FromString(_step_pb(step).step.SerializeToString())
+        message = drafter_pb2.DrafterStep.FromString(_step_pb(step).request.step.SerializeToString())
         parsed = _step_from_pb(message)
         assert replace(parsed, features=None) == replace(step, features=None)
         assert (parsed.features is None) == (step.features is None)
         if step.features is not None:
             assert torch.equal(parsed.features, step.features)
+
+
+def test_requests_with_features_know_their_size_without_encoding_them() -> None:
+    """A batch counts its requests' bytes: the size a request carries (measured before its features went in, then
+    their bytes added) is the encoded size or a little more, never less."""
+    features = torch.randn(40, 96).to(torch.bfloat16)
+    requests = [_step_pb(DraftStep("c", 2, [7, 8], features, 9, 10, 4)),
+                _step_pb(DraftStep("a", 3, [4], None, 6, 7, 1)),
+                _open_pb("s", DrafterSeed(list(range(40)), features, 1000))]
+    for outgoing in requests:
+        assert 0 <= outgoing.size - outgoing.request.ByteSize() <= 32
+    opened = drafter_pb2.DrafterRequest.FromString(requests[2].request.SerializeToString()).open
+    assert list(opened.token_ids) == list(range(40)) and opened.start_position == 1000
+    assert torch.equal(from_proto(opened.features), features)
+
+
+def test_a_feature_window_keeps_the_latest_rows_without_joining_at_every_step() -> None:
+    rows = [torch.full((n, 2), float(i)) for i, n in enumerate([3, 1, 1, 2, 1, 2, 1])]
+    window, unbounded = FeatureWindow(), FeatureWindow()
+    assert window.latest(4) is None
+    chunks = []
+    for features in rows:
+        window.add(features, 4)
+        unbounded.add(features, None)
+        chunks.append(len(window.chunks))
+    assert chunks == [1, 2, 3, 4, 1, 2, 3]  # joined (and cut to 4 rows) only on reaching 8 rows
+    everything = torch.cat(rows)
+    assert torch.equal(window.latest(4), everything[-4:]) and window.chunks[0].shape[0] == 4
+    assert torch.equal(unbounded.latest(None), everything) and len(unbounded.chunks) == 1
+    window.add(torch.ones(1, 2, dtype=torch.float64), 4)  # NOTE: rows join in the first rows' dtype
+    assert window.latest(4).dtype == torch.float32 and torch.equal(window.latest(4)[-1], torch.ones(2))

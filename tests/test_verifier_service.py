@@ -13,7 +13,7 @@ from modeling.speculation import DraftStep
 from modeling.tree import DraftTree
 from proto import drafter_pb2, drafter_pb2_grpc
 from tests.engine_helpers import GREEDY, make_engine, plain_generate
-from verifier_service.drafter_pool import DrafterPool, ReplicaLink
+from verifier_service.drafter_pool import DrafterPool, ReplicaLink, sized
 from verifier_service.metrics import VerifierMetrics
 from verifier_service.service import PrefillEvent, VerifierService
 from verifier_service.servicer import run_ahead
@@ -272,7 +272,7 @@ def test_a_replica_whose_stream_stopped_taking_requests_is_stalled_not_queued_to
         pool.links[link.address] = link
         pool.attach("s", lambda: [1, 2, 3], None)
         for _ in range(4):
-            link.send(drafter_pb2.DrafterRequest())
+            link.send(sized(drafter_pb2.DrafterRequest()))
         started = time.perf_counter()
         assert await pool.draft(DraftStep("s", 0, [], None, 4, 3, 15)) is None
         assert time.perf_counter() - started < 0.5 and link.outbox.qsize() == 4

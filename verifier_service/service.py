@@ -253,7 +253,7 @@ class VerifierService:
         fork = await self._call(self.engine.fork_session, session_id)
         self.leases.grant(fork.session_id)
         if self.drafters is not None:
-            features = self.drafters.sessions[session_id].features
+            features = self.drafters.features(session_id)
             self.drafters.attach(fork.session_id, lambda: fork.tokens[:-1], features)
         return fork
 
