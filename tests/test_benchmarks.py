@@ -121,6 +121,13 @@ def test_drafter_hop_smoke_run_writes_its_table(tmp_path: Path) -> None:
     assert all(r["mean_nodes"] > 0 and r["cpu_us_per_session_step"] > 0 for r in rows)  # every draft found a tree
 
 
+def test_seed_message_smoke_run_writes_its_table(tmp_path: Path) -> None:
+    run_benchmark("seed_message.py", "--rows", "8", "--width", "16", "--repeats", "1", "--out-dir", str(tmp_path))
+    stages = json.loads((tmp_path / "seed_message.json").read_text())["stages_ms"]
+    assert stages["total"] == pytest.approx(sum(ms for stage, ms in stages.items() if stage != "total"))
+    assert "| features as a tensor (drafter) |" in (tmp_path / "seed_message.md").read_text()
+
+
 def test_verifier_loop_smoke_run_writes_its_table(tmp_path: Path) -> None:
     run_benchmark("verifier_loop.py", "--sessions", "3", "--tokens", "8", "--out-dir", str(tmp_path))
     rows = json.loads((tmp_path / "verifier_loop.json").read_text())["rows"]
