@@ -224,6 +224,7 @@ def context_row(drafter: str, context: int, budget: str, streams: list[Stream], 
         "outside_verifier_ms_per_step": None if ms_per_step is None or verify_ms is None else ms_per_step - verify_ms,
         # per drafting pass: planning and the round trip, and of it the drafters' own time (their replies' draft_ms)
         "draft_round_ms": mean_ms("ddtree_verifier_draft_round_seconds"),
+        "seed_ms": mean_ms("ddtree_verifier_seed_seconds"),
         "drafter_compute_ms": mean_ms("ddtree_verifier_drafter_compute_seconds"),
         # the verifier's loop beside its engine calls (in the JSON only): per plain step, per drafting pass, and the
         # engine's idle gap between steps
@@ -362,8 +363,8 @@ def markdown(result: dict) -> str:
                  else "") + ".", "",
               "| context | drafter | budget | run | TTFT ms (mean / max) | decode tok/s per session | all sessions "
               "| vs plain | vs best fixed budget | ms / step | verifier step ms | outside the verifier ms "
-              "| draft round ms | the drafter's own ms | mean acceptance | mean tree budget | draft misses |",
-              "|---" * 17 + "|"]
+              "| draft round ms | the drafter's own ms | seed ms | mean acceptance | mean tree budget "
+              "| draft misses |", "|---" * 18 + "|"]
     for r in result["rows"]:
         speedup = "-" if r["speedup_vs_plain"] is None else f"{r['speedup_vs_plain']:.2f}x"
         vs_best = "-" if r.get("vs_best_fixed") is None else f"{r['vs_best_fixed']:.2f}x"
@@ -372,7 +373,8 @@ def markdown(result: dict) -> str:
                      f"{cell(r['decode_tokens_per_s_all_sessions'])} | {speedup} | {vs_best} "
                      f"| {cell(r['ms_per_step'], 2)} | {cell(r['verifier_step_ms'], 2)} | "
                      f"{cell(r['outside_verifier_ms_per_step'], 2)} | {cell(r.get('draft_round_ms'), 2)} | "
-                     f"{cell(r.get('drafter_compute_ms'), 2)} | {cell(r['mean_acceptance_length'], 2)} | "
+                     f"{cell(r.get('drafter_compute_ms'), 2)} | {cell(r.get('seed_ms'))} | "
+                     f"{cell(r['mean_acceptance_length'], 2)} | "
                      f"{cell(r.get('mean_tree_budget'))} | {r['draft_misses']} |")
     lines += ["", "TTFT: request to the first token at the client (the prefill, streamed as PrefillProgress messages "
               "before it; concurrent sessions queue behind each other's prefills). Decode tok/s: a session's tokens "
@@ -386,7 +388,9 @@ def markdown(result: dict) -> str:
               "(the prompt's last token, undrafted) included; outside the verifier: drafting, gRPC and the gateway. "
               "Draft round: per pass that drafted, from its start (the budgets' planning) until every draft is in "
               "(`ddtree_verifier_draft_round_seconds`); the drafter's own: the longest reply's draft_ms in that "
-              "round (the replica's commit, forward and trees), so the round less it is the hop. "
+              "round (the replica's commit, forward and trees), so the round less it is the hop. Seed: opening a "
+              "generation's mirror on the drafter, from its Open to the drafter's acknowledgement, the generation "
+              "stepping without drafts meanwhile (`ddtree_verifier_seed_seconds`; not in the draft round's mean). "
               "Mean acceptance: tokens per step, the first included. Mean tree budget: the draft nodes the verifier "
               "asked for per step after the first (`ddtree_verifier_tree_budget`; its policy's choice)."
               + (" Random weights: the DFlash drafter's acceptance means nothing, its cost per step does; the n-gram "

@@ -224,7 +224,10 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         self.drafter.close(session_id)
 
     async def _open(self, message: drafter_pb2.DrafterOpen, stream: _Stream) -> None:
+        """Open (or replace) the session's mirror; say so where asked (the verifier steps without drafts until
+        then)."""
         self.queued.pop(message.session_id, None)  # steps for the old mirror are stale
+        started = time.perf_counter()
         try:
             seed = DrafterSeed(list(message.token_ids), from_proto(message.features), message.start_position)
             self.drafter.open(message.session_id, seed)
@@ -233,6 +236,10 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             return
         stream.opened.add(message.session_id)
         self.open_ids.add(message.session_id)
+        if message.acknowledge:
+            await stream.write(drafter_pb2.DrafterReply(opened=drafter_pb2.DrafterOpened(
+                session_id=message.session_id, replica_id=self.replica_id,
+                open_ms=(time.perf_counter() - started) * 1e3)))
 
     async def _handle(self, requests: Sequence[drafter_pb2.DrafterRequest], stream: _Stream) -> None:
         """Requests in order; the steps among them are drafted together."""
@@ -296,4 +303,5 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             replica_id=self.replica_id, drafter_kind=info.kind, block_size=info.block_size,
             context_window=info.context_window or 0, target_layer_ids=list(info.target_layer_ids),
             feature_dim=info.feature_dim, max_tree_budget=info.max_budget, open_sessions=len(self.open_ids),
-            dtype=info.dtype, device=info.device, cuda_graphs=self.drafter.captured_graphs, batches=True)
+            dtype=info.dtype, device=info.device, cuda_graphs=self.drafter.captured_graphs, batches=True,
+            open_acks=True)

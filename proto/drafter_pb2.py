@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from proto import common_pb2 as proto_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13proto/drafter.proto\x12\tddtree.v1\x1a\x12proto/common.proto\"\xbf\x01\n\x0e\x44rafterRequest\x12&\n\x04open\x18\x01 \x01(\x0b\x32\x16.ddtree.v1.DrafterOpenH\x00\x12&\n\x04step\x18\x02 \x01(\x0b\x32\x16.ddtree.v1.DrafterStepH\x00\x12(\n\x05\x63lose\x18\x03 \x01(\x0b\x32\x17.ddtree.v1.DrafterCloseH\x00\x12+\n\x05\x62\x61tch\x18\x04 \x01(\x0b\x32\x1a.ddtree.v1.DrafterRequestsH\x00\x42\x06\n\x04kind\">\n\x0f\x44rafterRequests\x12+\n\x08requests\x18\x01 \x03(\x0b\x32\x19.ddtree.v1.DrafterRequest\"q\n\x0b\x44rafterOpen\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12#\n\x08\x66\x65\x61tures\x18\x03 \x01(\x0b\x32\x11.ddtree.v1.Tensor\x12\x16\n\x0estart_position\x18\x04 \x01(\x05\"\xaf\x01\n\x0b\x44rafterStep\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x1b\n\x13\x63ommitted_token_ids\x18\x03 \x03(\x05\x12#\n\x08\x66\x65\x61tures\x18\x04 \x01(\x0b\x32\x11.ddtree.v1.Tensor\x12\x15\n\rroot_token_id\x18\x05 \x01(\x05\x12\x10\n\x08position\x18\x06 \x01(\x05\x12\x13\n\x0btree_budget\x18\x07 \x01(\x05\"\"\n\x0c\x44rafterClose\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\x9b\x01\n\x0c\x44rafterReply\x12&\n\x04tree\x18\x01 \x01(\x0b\x32\x16.ddtree.v1.DrafterTreeH\x00\x12/\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x1e.ddtree.v1.DrafterSessionErrorH\x00\x12*\n\x05\x62\x61tch\x18\x03 \x01(\x0b\x32\x19.ddtree.v1.DrafterRepliesH\x00\x42\x06\n\x04kind\":\n\x0e\x44rafterReplies\x12(\n\x07replies\x18\x01 \x03(\x0b\x32\x17.ddtree.v1.DrafterReply\"y\n\x0b\x44rafterTree\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\"\n\x04tree\x18\x03 \x01(\x0b\x32\x14.ddtree.v1.DraftTree\x12\x12\n\nreplica_id\x18\x04 \x01(\t\x12\x10\n\x08\x64raft_ms\x18\x05 \x01(\x02\"j\n\x13\x44rafterSessionError\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x0c\n\x04\x63ode\x18\x03 \x01(\x05\x12\x0f\n\x07message\x18\x04 \x01(\t\x12\x12\n\nreplica_id\x18\x05 \x01(\t\"\x14\n\x12\x44rafterInfoRequest\"\x8c\x02\n\x10\x44rafterInfoReply\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x14\n\x0c\x64rafter_kind\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\x05\x12\x16\n\x0e\x63ontext_window\x18\x04 \x01(\x05\x12\x18\n\x10target_layer_ids\x18\x05 \x03(\x05\x12\x13\n\x0b\x66\x65\x61ture_dim\x18\x06 \x01(\x05\x12\x17\n\x0fmax_tree_budget\x18\x07 \x01(\x05\x12\x15\n\ropen_sessions\x18\x08 \x01(\x05\x12\r\n\x05\x64type\x18\t \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\n \x01(\t\x12\x13\n\x0b\x63uda_graphs\x18\x0b \x01(\x05\x12\x0f\n\x07\x62\x61tches\x18\x0c \x01(\x08\x32\x8e\x01\n\x07\x44rafter\x12?\n\x05\x44raft\x12\x19.ddtree.v1.DrafterRequest\x1a\x17.ddtree.v1.DrafterReply(\x01\x30\x01\x12\x42\n\x04Info\x12\x1d.ddtree.v1.DrafterInfoRequest\x1a\x1b.ddtree.v1.DrafterInfoReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13proto/drafter.proto\x12\tddtree.v1\x1a\x12proto/common.proto\"\xbf\x01\n\x0e\x44rafterRequest\x12&\n\x04open\x18\x01 \x01(\x0b\x32\x16.ddtree.v1.DrafterOpenH\x00\x12&\n\x04step\x18\x02 \x01(\x0b\x32\x16.ddtree.v1.DrafterStepH\x00\x12(\n\x05\x63lose\x18\x03 \x01(\x0b\x32\x17.ddtree.v1.DrafterCloseH\x00\x12+\n\x05\x62\x61tch\x18\x04 \x01(\x0b\x32\x1a.ddtree.v1.DrafterRequestsH\x00\x42\x06\n\x04kind\">\n\x0f\x44rafterRequests\x12+\n\x08requests\x18\x01 \x03(\x0b\x32\x19.ddtree.v1.DrafterRequest\"\x86\x01\n\x0b\x44rafterOpen\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12#\n\x08\x66\x65\x61tures\x18\x03 \x01(\x0b\x32\x11.ddtree.v1.Tensor\x12\x16\n\x0estart_position\x18\x04 \x01(\x05\x12\x13\n\x0b\x61\x63knowledge\x18\x05 \x01(\x08\"\xaf\x01\n\x0b\x44rafterStep\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x1b\n\x13\x63ommitted_token_ids\x18\x03 \x03(\x05\x12#\n\x08\x66\x65\x61tures\x18\x04 \x01(\x0b\x32\x11.ddtree.v1.Tensor\x12\x15\n\rroot_token_id\x18\x05 \x01(\x05\x12\x10\n\x08position\x18\x06 \x01(\x05\x12\x13\n\x0btree_budget\x18\x07 \x01(\x05\"\"\n\x0c\x44rafterClose\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\xc7\x01\n\x0c\x44rafterReply\x12&\n\x04tree\x18\x01 \x01(\x0b\x32\x16.ddtree.v1.DrafterTreeH\x00\x12/\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x1e.ddtree.v1.DrafterSessionErrorH\x00\x12*\n\x05\x62\x61tch\x18\x03 \x01(\x0b\x32\x19.ddtree.v1.DrafterRepliesH\x00\x12*\n\x06opened\x18\x04 \x01(\x0b\x32\x18.ddtree.v1.DrafterOpenedH\x00\x42\x06\n\x04kind\"H\n\rDrafterOpened\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\nreplica_id\x18\x02 \x01(\t\x12\x0f\n\x07open_ms\x18\x03 \x01(\x02\":\n\x0e\x44rafterReplies\x12(\n\x07replies\x18\x01 \x03(\x0b\x32\x17.ddtree.v1.DrafterReply\"y\n\x0b\x44rafterTree\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\"\n\x04tree\x18\x03 \x01(\x0b\x32\x14.ddtree.v1.DraftTree\x12\x12\n\nreplica_id\x18\x04 \x01(\t\x12\x10\n\x08\x64raft_ms\x18\x05 \x01(\x02\"j\n\x13\x44rafterSessionError\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x0c\n\x04\x63ode\x18\x03 \x01(\x05\x12\x0f\n\x07message\x18\x04 \x01(\t\x12\x12\n\nreplica_id\x18\x05 \x01(\t\"\x14\n\x12\x44rafterInfoRequest\"\x9f\x02\n\x10\x44rafterInfoReply\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x14\n\x0c\x64rafter_kind\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\x05\x12\x16\n\x0e\x63ontext_window\x18\x04 \x01(\x05\x12\x18\n\x10target_layer_ids\x18\x05 \x03(\x05\x12\x13\n\x0b\x66\x65\x61ture_dim\x18\x06 \x01(\x05\x12\x17\n\x0fmax_tree_budget\x18\x07 \x01(\x05\x12\x15\n\ropen_sessions\x18\x08 \x01(\x05\x12\r\n\x05\x64type\x18\t \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\n \x01(\t\x12\x13\n\x0b\x63uda_graphs\x18\x0b \x01(\x05\x12\x0f\n\x07\x62\x61tches\x18\x0c \x01(\x08\x12\x11\n\topen_acks\x18\r \x01(\x08\x32\x8e\x01\n\x07\x44rafter\x12?\n\x05\x44raft\x12\x19.ddtree.v1.DrafterRequest\x1a\x17.ddtree.v1.DrafterReply(\x01\x30\x01\x12\x42\n\x04Info\x12\x1d.ddtree.v1.DrafterInfoRequest\x1a\x1b.ddtree.v1.DrafterInfoReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,24 +36,26 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DRAFTERREQUEST']._serialized_end=246
   _globals['_DRAFTERREQUESTS']._serialized_start=248
   _globals['_DRAFTERREQUESTS']._serialized_end=310
-  _globals['_DRAFTEROPEN']._serialized_start=312
-  _globals['_DRAFTEROPEN']._serialized_end=425
-  _globals['_DRAFTERSTEP']._serialized_start=428
-  _globals['_DRAFTERSTEP']._serialized_end=603
-  _globals['_DRAFTERCLOSE']._serialized_start=605
-  _globals['_DRAFTERCLOSE']._serialized_end=639
-  _globals['_DRAFTERREPLY']._serialized_start=642
-  _globals['_DRAFTERREPLY']._serialized_end=797
-  _globals['_DRAFTERREPLIES']._serialized_start=799
-  _globals['_DRAFTERREPLIES']._serialized_end=857
-  _globals['_DRAFTERTREE']._serialized_start=859
-  _globals['_DRAFTERTREE']._serialized_end=980
-  _globals['_DRAFTERSESSIONERROR']._serialized_start=982
-  _globals['_DRAFTERSESSIONERROR']._serialized_end=1088
-  _globals['_DRAFTERINFOREQUEST']._serialized_start=1090
-  _globals['_DRAFTERINFOREQUEST']._serialized_end=1110
-  _globals['_DRAFTERINFOREPLY']._serialized_start=1113
-  _globals['_DRAFTERINFOREPLY']._serialized_end=1381
-  _globals['_DRAFTER']._serialized_start=1384
-  _globals['_DRAFTER']._serialized_end=1526
+  _globals['_DRAFTEROPEN']._serialized_start=313
+  _globals['_DRAFTEROPEN']._serialized_end=447
+  _globals['_DRAFTERSTEP']._serialized_start=450
+  _globals['_DRAFTERSTEP']._serialized_end=625
+  _globals['_DRAFTERCLOSE']._serialized_start=627
+  _globals['_DRAFTERCLOSE']._serialized_end=661
+  _globals['_DRAFTERREPLY']._serialized_start=664
+  _globals['_DRAFTERREPLY']._serialized_end=863
+  _globals['_DRAFTEROPENED']._serialized_start=865
+  _globals['_DRAFTEROPENED']._serialized_end=937
+  _globals['_DRAFTERREPLIES']._serialized_start=939
+  _globals['_DRAFTERREPLIES']._serialized_end=997
+  _globals['_DRAFTERTREE']._serialized_start=999
+  _globals['_DRAFTERTREE']._serialized_end=1120
+  _globals['_DRAFTERSESSIONERROR']._serialized_start=1122
+  _globals['_DRAFTERSESSIONERROR']._serialized_end=1228
+  _globals['_DRAFTERINFOREQUEST']._serialized_start=1230
+  _globals['_DRAFTERINFOREQUEST']._serialized_end=1250
+  _globals['_DRAFTERINFOREPLY']._serialized_start=1253
+  _globals['_DRAFTERINFOREPLY']._serialized_end=1540
+  _globals['_DRAFTER']._serialized_start=1543
+  _globals['_DRAFTER']._serialized_end=1685
 # @@protoc_insertion_point(module_scope)

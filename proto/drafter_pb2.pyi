@@ -26,16 +26,18 @@ class DrafterRequests(_message.Message):
     def __init__(self, requests: _Optional[_Iterable[_Union[DrafterRequest, _Mapping]]] = ...) -> None: ...
 
 class DrafterOpen(_message.Message):
-    __slots__ = ("session_id", "token_ids", "features", "start_position")
+    __slots__ = ("session_id", "token_ids", "features", "start_position", "acknowledge")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
     START_POSITION_FIELD_NUMBER: _ClassVar[int]
+    ACKNOWLEDGE_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     features: _common_pb2.Tensor
     start_position: int
-    def __init__(self, session_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., features: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., start_position: _Optional[int] = ...) -> None: ...
+    acknowledge: bool
+    def __init__(self, session_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., features: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., start_position: _Optional[int] = ..., acknowledge: _Optional[bool] = ...) -> None: ...
 
 class DrafterStep(_message.Message):
     __slots__ = ("session_id", "step", "committed_token_ids", "features", "root_token_id", "position", "tree_budget")
@@ -62,14 +64,26 @@ class DrafterClose(_message.Message):
     def __init__(self, session_id: _Optional[str] = ...) -> None: ...
 
 class DrafterReply(_message.Message):
-    __slots__ = ("tree", "error", "batch")
+    __slots__ = ("tree", "error", "batch", "opened")
     TREE_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     BATCH_FIELD_NUMBER: _ClassVar[int]
+    OPENED_FIELD_NUMBER: _ClassVar[int]
     tree: DrafterTree
     error: DrafterSessionError
     batch: DrafterReplies
-    def __init__(self, tree: _Optional[_Union[DrafterTree, _Mapping]] = ..., error: _Optional[_Union[DrafterSessionError, _Mapping]] = ..., batch: _Optional[_Union[DrafterReplies, _Mapping]] = ...) -> None: ...
+    opened: DrafterOpened
+    def __init__(self, tree: _Optional[_Union[DrafterTree, _Mapping]] = ..., error: _Optional[_Union[DrafterSessionError, _Mapping]] = ..., batch: _Optional[_Union[DrafterReplies, _Mapping]] = ..., opened: _Optional[_Union[DrafterOpened, _Mapping]] = ...) -> None: ...
+
+class DrafterOpened(_message.Message):
+    __slots__ = ("session_id", "replica_id", "open_ms")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    OPEN_MS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    replica_id: str
+    open_ms: float
+    def __init__(self, session_id: _Optional[str] = ..., replica_id: _Optional[str] = ..., open_ms: _Optional[float] = ...) -> None: ...
 
 class DrafterReplies(_message.Message):
     __slots__ = ("replies",)
@@ -110,7 +124,7 @@ class DrafterInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DrafterInfoReply(_message.Message):
-    __slots__ = ("replica_id", "drafter_kind", "block_size", "context_window", "target_layer_ids", "feature_dim", "max_tree_budget", "open_sessions", "dtype", "device", "cuda_graphs", "batches")
+    __slots__ = ("replica_id", "drafter_kind", "block_size", "context_window", "target_layer_ids", "feature_dim", "max_tree_budget", "open_sessions", "dtype", "device", "cuda_graphs", "batches", "open_acks")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_KIND_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -123,6 +137,7 @@ class DrafterInfoReply(_message.Message):
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     CUDA_GRAPHS_FIELD_NUMBER: _ClassVar[int]
     BATCHES_FIELD_NUMBER: _ClassVar[int]
+    OPEN_ACKS_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     drafter_kind: str
     block_size: int
@@ -135,4 +150,5 @@ class DrafterInfoReply(_message.Message):
     device: str
     cuda_graphs: int
     batches: bool
-    def __init__(self, replica_id: _Optional[str] = ..., drafter_kind: _Optional[str] = ..., block_size: _Optional[int] = ..., context_window: _Optional[int] = ..., target_layer_ids: _Optional[_Iterable[int]] = ..., feature_dim: _Optional[int] = ..., max_tree_budget: _Optional[int] = ..., open_sessions: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., cuda_graphs: _Optional[int] = ..., batches: _Optional[bool] = ...) -> None: ...
+    open_acks: bool
+    def __init__(self, replica_id: _Optional[str] = ..., drafter_kind: _Optional[str] = ..., block_size: _Optional[int] = ..., context_window: _Optional[int] = ..., target_layer_ids: _Optional[_Iterable[int]] = ..., feature_dim: _Optional[int] = ..., max_tree_budget: _Optional[int] = ..., open_sessions: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., cuda_graphs: _Optional[int] = ..., batches: _Optional[bool] = ..., open_acks: _Optional[bool] = ...) -> None: ...

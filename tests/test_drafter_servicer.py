@@ -260,6 +260,35 @@ def test_the_verifier_pool_drafts_over_grpc_and_its_sessions_close_with_the_stre
     asyncio.run(main())
 
 
+def test_a_seed_sent_ahead_is_acknowledged_and_the_session_is_opening_until_then() -> None:
+    """`open_soon` sends the seed before any draft; a replica that acknowledges Opens answers once the mirror is
+    ready, and the session is `opening` until then (its steps go without drafts). Without acknowledgements (an
+    older replica) the session counts as open at once: its first draft goes behind the seed."""
+    async def main(acks: bool) -> tuple[bool, bool, int]:
+        servicer = DrafterServicer(RecordingDrafter(), "r0")
+        server, pool = await serve(servicer)
+        try:
+            await pool.refresh()
+            next(iter(pool.links.values())).info.open_acks = acks
+            pool.attach("s", lambda: PROMPT, None)
+            pool.open_soon("s")
+            opening_at_once = pool.opening("s")
+            for _ in range(200):
+                if not pool.opening("s"):
+                    break
+                await asyncio.sleep(0.01)
+            tree = await pool.draft(DraftStep("s", 0, [], None, 5, len(PROMPT), 8))
+            assert tree.tokens == reference_tree(PROMPT + [5]) and servicer.open_ids == {"s"}
+            return opening_at_once, pool.opening("s"), histogram(pool.metrics, "ddtree_verifier_seed_seconds")[0]
+        finally:
+            await pool.stop()
+            servicer.task.cancel()
+            await server.stop(None)
+
+    assert asyncio.run(main(True)) == (True, False, 1)
+    assert asyncio.run(main(False)) == (False, False, 0)
+
+
 def test_a_verifier_that_stops_reading_stops_the_reader_not_the_memory(monkeypatch) -> None:
     """Replies for a stream whose writes hang are bounded: past the limit the reader takes no more requests,
     so gRPC flow control holds the verifier back; everything is answered once writes resume."""

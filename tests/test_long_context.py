@@ -33,6 +33,7 @@ def test_smoke_run_reports_ttft_decode_rate_step_times_and_acceptance(tmp_path: 
     assert rows["ngram"]["steps"] < 24 and rows["ngram"]["mean_acceptance_length"] > 1
     assert rows["none"]["draft_round_ms"] is None and rows["none"]["drafter_compute_ms"] is None
     assert 0 < rows["ngram"]["drafter_compute_ms"] < rows["ngram"]["draft_round_ms"]  # the round holds the hop too
+    assert rows["ngram"]["seed_ms"] > 0 and rows["none"]["seed_ms"] is None  # the first draft opens
     assert rows["none"]["plain_step_host_ms"] > 0 and rows["none"]["step_gap_ms"] > 0
     assert rows["ngram"]["drafting_pass_host_ms"] > 0
     assert rows["none"]["speedup_vs_plain"] == 1

@@ -93,6 +93,9 @@ class ChainDrafters:
     def is_open(self, session_id: str) -> bool:
         return True
 
+    def opening(self, session_id: str) -> bool:
+        return False
+
     def add_features(self, session_id: str, features) -> None:
         pass
 
@@ -191,6 +194,57 @@ def test_a_passs_host_work_is_measured_apart_from_its_engine_calls_and_draft_rou
     plain_steps, plain_s = histogram_count_and_sum(metrics.plain_step_host_seconds)
     assert drafting_passes == 3 and plain_steps >= 2  # NOTE: the drafting session's steps after its first
     assert 0 <= drafting_s / drafting_passes < 0.04 and 0 <= plain_s / plain_steps < 0.04
+
+
+class OpeningDrafters(ChainDrafters):
+    """A pool whose sessions' mirrors open at their first draft round (a seed goes with it), or, with `acked`, are
+    being opened for each session's first `acked` passes (the replica acknowledges its Open after them)."""
+
+    def __init__(self, sizes: dict[str, int], acked: int = 0):
+        super().__init__(sizes)
+        self.opened: set[str] = set()
+        self.waits = dict.fromkeys(sizes, acked)
+
+    def is_open(self, session_id: str) -> bool:
+        return session_id in self.opened or self.waits[session_id] > 0
+
+    def opening(self, session_id: str) -> bool:
+        self.waits[session_id] -= 1  # NOTE: asked once per pass that would plan the session
+        return self.waits[session_id] >= 0
+
+    async def draft_all(self, steps: list[DraftStep]) -> list[DraftTree]:
+        self.opened.update(step.session_id for step in steps)
+        return await super().draft_all(steps)
+
+
+def test_a_generations_first_draft_round_counts_as_a_seed_not_a_draft_round() -> None:
+    """The round that opens a session's mirror carries its seed (tenths of a second for a DFlash drafter of an 8B
+    target): it goes to its own histogram, not into the steady rounds' mean."""
+    engine = FakeEngine({"a": 5, "b": 5})
+    drafters = OpeningDrafters({"a": 2, "b": 2})
+
+    async def consume(loop: StepLoop) -> None:
+        await asyncio.gather(*(read_all(loop, session) for session in engine.sessions.values()))
+
+    metrics = run_loop(engine, drafters, consume)
+    assert histogram_count_and_sum(metrics.seed_seconds)[0] == 1  # a and b open in the same round
+    assert histogram_count_and_sum(metrics.draft_round_seconds)[0] == len(drafters.rounds) - 1
+
+
+def test_a_session_whose_mirror_is_opening_steps_without_drafts_until_it_is_open() -> None:
+    """A seed sent ahead of the drafts (its replica acknowledges Opens) costs the session no stall: it steps plainly
+    until the replica says the mirror is open, then drafts; the other session drafts meanwhile."""
+    engine = FakeEngine({"opening": 8, "open": 8})
+    drafters = OpeningDrafters({"opening": 2, "open": 2})
+    drafters.waits["opening"] = 3
+
+    async def consume(loop: StepLoop) -> None:
+        events = dict(zip(("opening", "open"), await asyncio.gather(
+            read_all(loop, engine.sessions["opening"]), read_all(loop, engine.sessions["open"]))))
+        assert [event.drafted_nodes for event in events["opening"]][:4] == [0, 0, 0, 2]  # 3 passes opening
+        assert [event.drafted_nodes for event in events["open"]][:2] == [0, 2]
+
+    run_loop(engine, drafters, consume)
 
 
 def test_an_overload_is_split_over_engine_steps_in_joining_order() -> None:
@@ -347,6 +401,9 @@ class BudgetChains:
 
     def is_open(self, session_id: str) -> bool:
         return True
+
+    def opening(self, session_id: str) -> bool:
+        return False
 
     def add_features(self, session_id: str, features) -> None:
         pass

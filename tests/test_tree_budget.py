@@ -494,8 +494,8 @@ def test_skipped_drafts_keep_the_mirror_and_change_no_token(tiny_target, tmp_pat
     opens, drafts = [], []  # drafts: (budget, context, seconds) the cost model was taught
     tokens, metrics = asyncio.run(main())
     assert tokens == expected and len(opens) == 1
-    # NOTE: the first draft (budget 3) opened the mirror: its time is not a draft's cost
-    assert [budget for budget, _, _ in drafts[:4]] == [8, 7, 8, 3]
+    # NOTE: the mirror opened ahead of the first draft (budget 3), whose time is then a draft's cost like the others'
+    assert [budget for budget, _, _ in drafts[:4]] == [3, 8, 7, 8]
     assert metrics.draft_misses._value.get() == 0 and metrics.bad_trees._value.get() == 0  # every catch-up held
     assert metrics.tree_budget._sum.get() > 0 and metrics.reseeds._value.get() == 0
 
@@ -580,13 +580,15 @@ def test_the_throughput_benchmark_runs_one_point_per_budget(tmp_path) -> None:
                    capture_output=True, timeout=300)
     rows = json.loads((tmp_path / "throughput.json").read_text())["rows"]
     assert [(r["concurrency"], r["tree_budget"]) for r in rows] == [(2, "3"), (2, "adaptive")]
-    assert rows[0]["mean_tree_budget"] == 3 and 0 <= rows[1]["mean_tree_budget"] <= 3
+    # NOTE: pinned, a session drafts its 3 nodes at every step after its first, unless a plain session beside it (the
+    # other one, while its drafter mirror was opening) took it into a burst after a step that accepted no draft
+    assert 0 < rows[0]["mean_tree_budget"] <= 3 and 0 <= rows[1]["mean_tree_budget"] <= 3
     assert all(r["identical_outputs"] == 2 and r["speculative_tokens_per_s"] > 0 for r in rows)
     for row in rows:  # NOTE: inter-token latencies per row, and the plain-decoding floor from the copy bandwidth
         assert 0 < row["speculative_itl_ms"][0] <= row["speculative_itl_ms"][1]
         assert 0 < row["plain_itl_ms"][0] <= row["plain_itl_ms"][1] and row["plain_floor_tokens_per_s"] > 0
         assert all(1 <= sessions <= 2 for sessions in row["batch_sessions"]) and min(row["batch_ms"]) > 0
-    assert rows[0]["budget_shares"] == {"3": 1.0}  # every step after the first drafted 3 nodes
+    assert set(rows[0]["budget_shares"]) <= {"0", "3"} and rows[0]["budget_shares"]["3"] > 0.5
     shares = rows[1]["budget_shares"]
     assert set(shares) <= {"0", "1", "3"} and sum(shares.values()) == pytest.approx(1.0)
     for row in rows:  # NOTE: both sessions decode at once for most of 24 tokens: the full window is there

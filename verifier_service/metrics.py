@@ -42,7 +42,13 @@ class VerifierMetrics:
                                           "loop's own work, waits: what the engine is not running)", registry=r)
         self.draft_round_seconds = Histogram("ddtree_verifier_draft_round_seconds", "Time from the start of a step "
                                              "pass until the drafts of all its sessions are in (one round trip to "
-                                             "the drafters; passes that draft nothing are not counted)", registry=r)
+                                             "the drafters; passes that draft nothing, or open a mirror, are not "
+                                             "counted)", registry=r)
+        self.seed_seconds = Histogram(
+            "ddtree_verifier_seed_seconds", "Time to open a session's mirror on a drafter (its seed: the features of "
+            "its latest tokens, tens of MB for a DFlash drafter of an 8B target): from its Open until the replica "
+            "acknowledged it (the session steps without drafts meanwhile), or, from a replica that does not, the "
+            "draft round that carried it", registry=r)
         self.drafter_compute_seconds = Histogram(
             "ddtree_verifier_drafter_compute_seconds", "The drafters' own time in a draft round: the longest of its "
             "replies' draft_ms (a replica's commit, forward and trees for the batch that held the step); the round "

@@ -327,6 +327,8 @@ class VerifierService:
                 if self.drafters is not None:
                     self.drafters.add_features(session_id, features)
             await self._start_generation(session_id, params)
+            if self.drafters is not None and params.max_new_tokens > 1:  # NOTE: one token is the prefill's alone
+                self.drafters.open_soon(session_id)  # NOTE: the seed travels while the first steps go without drafts
             if sink is not None:
                 await self.loop.run(session, budgets, sink)
                 return

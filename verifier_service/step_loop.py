@@ -111,6 +111,7 @@ class _Planned:
     budget: int
     tree: DraftTree | None = None  # None: none came (no drafter, a miss, a bad tree)
     seeding: bool = False  # its draft opened a mirror first (no cost of its steps)
+    opening: bool = False  # plain while its drafter mirror opens: no choice of its budget policy's
 
 
 class StepLoop:
@@ -236,8 +237,10 @@ class StepLoop:
         planned_at = time.perf_counter()
         await self._draft(drafting)
         drafted = time.perf_counter()
-        if drafting:
-            self.metrics.draft_round_seconds.observe(drafted - started)
+        if drafting:  # NOTE: a seed's round costs tenths of a second: kept apart, it would swamp the steady rounds
+            seeding = any(plan.seeding for plan in drafting)
+            rounds = self.metrics.seed_seconds if seeding else self.metrics.draft_round_seconds
+            rounds.observe(drafted - started)
         planned = {plan.stepper.session_id for plan in plans}
         # NOTE: a generation that left while the drafts were out must not step (its session is being released); one
         # that joined meanwhile steps now, since its first step needs no draft
@@ -262,29 +265,33 @@ class StepLoop:
             self.metrics.plain_step_host_seconds.observe(max(outside_s, 0.0) / forwards)
 
     def _plans(self, steppers: list[Stepper]) -> list[_Planned]:
-        """The steppers' parts of this pass, in their order: a first step (or any step with no drafter) plain, the
-        other steps' budgets planned together from their policies' offers (BudgetPlanner). A stepper whose policy
-        fails is left out, its generation ended alone."""
+        """The steppers' parts of this pass, in their order: a first step (or any step with no drafter, or whose
+        drafter mirror is still opening) plain, the other steps' budgets planned together from their policies'
+        offers (BudgetPlanner). A stepper whose policy fails is left out, its generation ended alone."""
         if self.drafters is None:
             return [_Planned(stepper, 0) for stepper in steppers]
         offered: dict[str, Offer] = {}
+        failed: set[str] = set()
+        opening = {stepper.session_id for stepper in steppers if self.drafters.opening(stepper.session_id)}
         for stepper in steppers:
-            if stepper.cursor.step:
+            if stepper.cursor.step and stepper.session_id not in opening:
                 try:
                     offered[stepper.session_id] = stepper.budgets.offer(stepper.session.kv_len)
                 except Exception as error:  # noqa: BLE001 - handed to its generation
                     log.exception("session %s: its tree budget's offer failed", stepper.session_id)
                     self._drop(stepper)
                     stepper.fail(error)
-        steppers = [stepper for stepper in steppers if not stepper.cursor.step or stepper.session_id in offered]
+                    failed.add(stepper.session_id)
+        steppers = [stepper for stepper in steppers if stepper.session_id not in failed]
         if not offered:
-            return [_Planned(stepper, 0) for stepper in steppers]
+            return [_Planned(stepper, 0, opening=stepper.session_id in opening) for stepper in steppers]
         context = sum(stepper.session.kv_len for stepper in steppers if stepper.session_id in offered) // len(offered)
         # NOTE: with cohorts, the others' steps run while this pass's drafts are out (each runs once meanwhile)
         hidden_s = sum(self.cohort_step_seconds) - self.cohort_step_seconds[steppers[0].cohort]
         budgets = dict(zip(offered, self.planner.plan(list(offered.values()), context,
                                                       besides=len(steppers) - len(offered), hidden_s=hidden_s)))
-        return [_Planned(stepper, budgets.get(stepper.session_id, 0)) for stepper in steppers]
+        return [_Planned(stepper, budgets.get(stepper.session_id, 0), opening=stepper.session_id in opening)
+                for stepper in steppers]
 
     async def _draft(self, plans: list[_Planned]) -> None:
         """Every plan's tree, asked together; a miss or a bad tree costs its session one step of speculation."""
@@ -342,8 +349,8 @@ class StepLoop:
             going_on = [plan for plan in batch
                         if self.steppers.get(plan.stepper.session_id) is plan.stepper and plan.stepper.sink.has_room()]
             if going_on:
-                burst = await self._burst([_Planned(plan.stepper, 0) for plan in going_on], wanted - 1, started,
-                                          drafted)
+                plain = [_Planned(plan.stepper, 0, opening=plan.opening) for plan in going_on]
+                burst = await self._burst(plain, wanted - 1, started, drafted)
                 engine_s, forwards = engine_s + (self.last_call_seconds if burst else 0.0), forwards + burst
         return engine_s, forwards
 
@@ -429,13 +436,14 @@ class StepLoop:
         """The step's event, with what it teaches the metrics, the costs and the generation's budget policy."""
         stepper, budget, tree = plan.stepper, plan.budget, plan.tree
         self.metrics.step_seconds.observe(ended - drafted)
-        if stepper.cursor.step and self.drafters is not None:
+        if stepper.cursor.step and self.drafters is not None and not plan.opening:
             self.metrics.tree_budget.observe(budget)
         if tree is not None and budget and not plan.seeding:  # NOTE: opening a mirror is no cost of its steps
             self.costs.observe_draft(budget, stepper.session.kv_len, drafted - started)
-        stepper.budgets.observe(budget, tree, result.path)
-        for _ in range(len(result.emitted) - result.acceptance_length):  # NOTE: a burst's plain steps after it
-            stepper.budgets.observe(0, None, [])
+        if not plan.opening:  # NOTE: its policy chose nothing: its mirror was opening
+            stepper.budgets.observe(budget, tree, result.path)
+            for _ in range(len(result.emitted) - result.acceptance_length):  # NOTE: a burst's plain steps after it
+                stepper.budgets.observe(0, None, [])
         event = StepEvent(stepper.cursor.step, result, len(tree) if tree else 0, drafted - started, ended - drafted)
         stepper.cursor.advance(result.committed, result.features, result.commit_start, drafted=budget > 0)
         return event
