@@ -35,7 +35,7 @@ def from_proto(message: common_pb2.Tensor) -> torch.Tensor | None:
     dtype = _DTYPES[message.dtype]
     shape = tuple(message.shape)
     data = message.data
-    expected = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    expected = torch.Size(shape).numel() * dtype.itemsize
     if len(data) != expected:
         raise ValueError(f"tensor data has {len(data)} bytes, shape {list(shape)} needs {expected}")
     if expected == 0:
