@@ -1,7 +1,7 @@
 """A DFlash mirror's seed as a message: the host work at both ends of the verifier -> drafter Open. A seed carries
 the target features of the session's W latest tokens (W = the drafter's window): 1024 x 20480 bf16, 42 MB, for the
-Qwen3-8B-shaped drafter, sent at a generation's first draft. Stages, each the best of `--repeats`: the verifier
-builds its request (`drafter_pool._open_pb`: the features to the host, into the message), gRPC encodes it, the drafter
+Qwen3-8B-shaped drafter, sent as a generation starts. Stages, each the best of `--repeats`: the verifier builds its
+request (`drafter_messages.open_request`: the features to the host, into the message), gRPC encodes it, the drafter
 decodes it and takes the features as a tensor (`proto.tensors.from_proto`).
 
     python benchmarks/seed_message.py [--rows 1024] [--width 20480] [--repeats 5]
@@ -23,7 +23,7 @@ from benchmarks.e2e_step import titled_table, write_results  # noqa: E402
 from modeling.speculation import DrafterSeed  # noqa: E402
 from proto import drafter_pb2  # noqa: E402
 from proto.tensors import from_proto  # noqa: E402
-from verifier_service.drafter_pool import _open_pb  # noqa: E402
+from verifier_service.drafter_messages import open_request  # noqa: E402
 
 
 def best_ms(fn: Callable[[], object], repeats: int) -> float:
@@ -38,12 +38,12 @@ def best_ms(fn: Callable[[], object], repeats: int) -> float:
 def stages(rows: int, width: int, repeats: int) -> dict[str, float]:
     features = torch.randn(rows, width).to(torch.bfloat16)
     seed = DrafterSeed(list(range(rows)), features, 0)
-    outgoing = _open_pb("s", seed)
+    outgoing = open_request("s", seed)
     wire = outgoing.request.SerializeToString()
     message = drafter_pb2.DrafterRequest.FromString(wire)
     if not torch.equal(from_proto(message.open.features), features):
         raise AssertionError("the seed's features did not survive the trip")
-    times = {"build (verifier)": best_ms(lambda: _open_pb("s", seed), repeats),
+    times = {"build (verifier)": best_ms(lambda: open_request("s", seed), repeats),
              "encode (gRPC)": best_ms(outgoing.request.SerializeToString, repeats),
              "decode (gRPC)": best_ms(lambda: drafter_pb2.DrafterRequest.FromString(wire), repeats),
              "features as a tensor (drafter)": best_ms(lambda: from_proto(message.open.features), repeats)}

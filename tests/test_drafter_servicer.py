@@ -21,16 +21,8 @@ from modeling.speculation import DrafterSeed, DraftStep
 from modeling.tree import DraftTree
 from proto import common_pb2, drafter_pb2, drafter_pb2_grpc
 from proto.tensors import from_proto
-from verifier_service.drafter_pool import (
-    DrafterPool,
-    FeatureWindow,
-    Outgoing,
-    ReplicaLink,
-    _open_pb,
-    _step_pb,
-    _tree_from_pb,
-    sized,
-)
+from verifier_service.drafter_messages import close_request, open_request, step_request, tree_from_reply
+from verifier_service.drafter_pool import DrafterPool, FeatureWindow, ReplicaLink
 from verifier_service.metrics import VerifierMetrics
 
 PROMPT = [5, 6, 7, 8, 5, 6, 7, 9, 5, 6]
@@ -373,19 +365,16 @@ def test_the_verifier_pool_batches_a_steps_requests_where_the_replica_takes_batc
 def test_a_link_sends_what_queued_together_as_one_batch_and_ends_at_the_close(monkeypatch) -> None:
     """A request alone goes as itself; requests queued in one turn go as one message, no larger than BATCH_BYTES
     (a seed's features can take megabytes), and the end marker among them still ends the stream after them."""
-    def close(session_id: str) -> Outgoing:
-        return sized(drafter_pb2.DrafterRequest(close=drafter_pb2.DrafterClose(session_id=session_id)))
-
-    monkeypatch.setattr("verifier_service.drafter_pool.BATCH_BYTES", 2 * close("b").size)
+    monkeypatch.setattr("verifier_service.drafter_pool.BATCH_BYTES", 2 * close_request("b").size)
 
     async def main() -> tuple:
         link = ReplicaLink("127.0.0.1:1", lambda _: None, lambda: None)  # NOTE: never connected
         link.info = drafter_pb2.DrafterInfoReply(batches=True)
         requests = link._requests()
-        link.send(close("a"))
+        link.send(close_request("a"))
         alone = await anext(requests)
         for session_id in ("b", "c", "d"):
-            link.send(close(session_id))
+            link.send(close_request(session_id))
         link.outbox.put_nowait(None)
         rest = [message async for message in requests]
         await link.channel.close()
@@ -429,7 +418,7 @@ def test_replies_written_field_by_field_equal_the_constructed_messages() -> None
     assert batch == drafter_pb2.DrafterReply(batch=drafter_pb2.DrafterReplies(replies=expected))
     assert [_message(reply) for reply in pending] == expected
     trees = [reply.tree for reply in pending if isinstance(reply, _TreeReply)]
-    assert [_tree_from_pb(r.tree.tree) for r in batch.batch.replies if r.WhichOneof("kind") == "tree"] == trees
+    assert [tree_from_reply(r.tree.tree) for r in batch.batch.replies if r.WhichOneof("kind") == "tree"] == trees
 
 
 def histogram(metrics: VerifierMetrics, name: str) -> tuple[float, float]:
@@ -459,7 +448,7 @@ def test_a_step_reads_back_on_the_drafter_as_the_verifier_sent_it() -> None:
     features = torch.randn(2, 3)
     for step in (DraftStep("a", 3, [4, 5], None, 6, 70, 15), DraftStep("b", 1, [], None, 2, 9, 1),
                  DraftStep("c", 2, [7, 8], features, 9, 10, 4)):
-        message = drafter_pb2.DrafterStep.FromString(_step_pb(step).request.step.SerializeToString())
+        message = drafter_pb2.DrafterStep.FromString(step_request(step).request.step.SerializeToString())
         parsed = _step_from_pb(message)
         assert replace(parsed, features=None) == replace(step, features=None)
         assert (parsed.features is None) == (step.features is None)
@@ -471,9 +460,9 @@ def test_requests_with_features_know_their_size_without_encoding_them() -> None:
     """A batch counts its requests' bytes: the size a request carries (measured before its features went in, then
     their bytes added) is the encoded size or a little more, never less."""
     features = torch.randn(40, 96).to(torch.bfloat16)
-    requests = [_step_pb(DraftStep("c", 2, [7, 8], features, 9, 10, 4)),
-                _step_pb(DraftStep("a", 3, [4], None, 6, 7, 1)),
-                _open_pb("s", DrafterSeed(list(range(40)), features, 1000))]
+    requests = [step_request(DraftStep("c", 2, [7, 8], features, 9, 10, 4)),
+                step_request(DraftStep("a", 3, [4], None, 6, 7, 1)),
+                open_request("s", DrafterSeed(list(range(40)), features, 1000))]
     for outgoing in requests:
         assert 0 <= outgoing.size - outgoing.request.ByteSize() <= 32
     opened = drafter_pb2.DrafterRequest.FromString(requests[2].request.SerializeToString()).open

@@ -13,7 +13,8 @@ from modeling.speculation import DraftStep
 from modeling.tree import DraftTree
 from proto import drafter_pb2, drafter_pb2_grpc
 from tests.engine_helpers import GREEDY, make_engine, plain_generate
-from verifier_service.drafter_pool import DrafterPool, ReplicaLink, sized
+from verifier_service.drafter_messages import sized
+from verifier_service.drafter_pool import DrafterPool, ReplicaLink
 from verifier_service.metrics import VerifierMetrics
 from verifier_service.service import PrefillEvent, VerifierService
 from verifier_service.servicer import run_ahead

@@ -12,17 +12,23 @@ import socket
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import grpc
 import torch
 from prometheus_client import Counter
 
-from modeling.speculation import DrafterSeed, DraftStep, drafter_seed
+from modeling.speculation import DraftStep, drafter_seed
 from modeling.tree import DraftTree
-from proto import common_pb2, drafter_pb2, drafter_pb2_grpc
+from proto import drafter_pb2, drafter_pb2_grpc
 from proto.security import NO_AUTH, InternalAuth
-from proto.tensors import fill_proto
+from verifier_service.drafter_messages import (
+    Outgoing,
+    batch_request,
+    close_request,
+    open_request,
+    step_request,
+    tree_from_reply,
+)
 from verifier_service.metrics import VerifierMetrics
 
 log = logging.getLogger(__name__)
@@ -50,24 +56,6 @@ BATCH_BYTES = 1 << 20
 # NOTE: how long a session whose Open was not acknowledged yet steps without drafts; past this its steps go behind
 # the Open anyway (a replica handles its stream's requests in order), as with a replica that does not acknowledge
 OPEN_ACK_PATIENCE_S = 10.0
-
-
-class Outgoing(NamedTuple):
-    """A request for a replica's stream and its size in bytes (what a batch message counts against BATCH_BYTES)."""
-
-    request: drafter_pb2.DrafterRequest
-    size: int
-
-
-def sized(request: drafter_pb2.DrafterRequest, features: torch.Tensor | None = None,
-          field: common_pb2.Tensor | None = None) -> Outgoing:
-    """The request, with `features` written into its `field` where given, and its size: measured before the
-    features go in, then their bytes added (upb's ByteSize encodes the whole message: ~30 ms for a 42 MB seed)."""
-    size = request.ByteSize()
-    if features is not None and field is not None:
-        fill_proto(field, features)
-        size += features.numel() * features.element_size() + 32  # NOTE: the Tensor's tags, dtype and shape
-    return Outgoing(request, size)
 
 
 class ReplicaLink:
@@ -121,7 +109,7 @@ class ReplicaLink:
                     break
                 batch.append(more.request)
                 size += more.size
-            yield batch[0] if len(batch) == 1 else _batch(batch)
+            yield batch[0] if len(batch) == 1 else batch_request(batch)
 
     async def _read(self) -> None:
         try:
@@ -196,38 +184,6 @@ class ReplicaLink:
             self.outbox.put_nowait(None)
         await self.channel.close()
         await asyncio.gather(*(task for task in (self.reader, self.prober) if task), return_exceptions=True)
-
-
-def _batch(requests: list[drafter_pb2.DrafterRequest]) -> drafter_pb2.DrafterRequest:
-    message = drafter_pb2.DrafterRequest()
-    message.batch.requests.extend(requests)  # NOTE: one copy; nested constructors would copy twice
-    return message
-
-
-def _step_pb(step: DraftStep) -> Outgoing:
-    """Set field by field: a nested constructor copies the inner message. No features (n-gram) leave the field
-    unset, which a drafter reads as empty."""
-    request = drafter_pb2.DrafterRequest()
-    message = request.step
-    message.session_id, message.step, message.root_token_id, message.position, message.tree_budget = (
-        step.session_id, step.step, step.root, step.position, step.budget)
-    message.committed_token_ids.extend(step.committed)
-    return sized(request, step.features, message.features)
-
-
-def _open_pb(session_id: str, seed: DrafterSeed, acknowledge: bool = False) -> Outgoing:
-    """A mirror's seed, set field by field as a step is (its features are the W latest tokens': 42 MB for a
-    Qwen3-8B-shaped DFlash drafter)."""
-    request = drafter_pb2.DrafterRequest()
-    message = request.open
-    message.session_id, message.start_position, message.acknowledge = session_id, seed.start_position, acknowledge
-    message.token_ids.extend(seed.tokens)
-    return sized(request, seed.features, message.features)
-
-
-def _tree_from_pb(tree: common_pb2.DraftTree) -> DraftTree:
-    # NOTE: a slice turns a repeated field into a list in one call, which tuple() then copies at C speed
-    return DraftTree(tuple(tree.tokens[:]), tuple(tree.parents[:]), tuple(tree.depths[:]), tuple(tree.logprobs[:]))
 
 
 class _Round:
@@ -392,7 +348,7 @@ class DrafterPool:
     @staticmethod
     def _send_close(link: ReplicaLink, session_id: str) -> None:
         with contextlib.suppress(asyncio.QueueFull):  # NOTE: the stream's end closes every mirror anyway
-            link.send(sized(drafter_pb2.DrafterRequest(close=drafter_pb2.DrafterClose(session_id=session_id))))
+            link.send(close_request(session_id))
 
     def _session_error(self, session_id: str) -> None:
         state = self.sessions.get(session_id)
@@ -467,7 +423,7 @@ class DrafterPool:
         seed = drafter_seed(state.tokens(), state.features.latest(self.window), uses_features, self.window)
         acknowledge = ahead and link.info is not None and link.info.open_acks
         try:
-            link.send(_open_pb(session_id, seed, acknowledge))
+            link.send(open_request(session_id, seed, acknowledge))
         except asyncio.QueueFull:
             self._stalled(link)
             return False
@@ -512,7 +468,7 @@ class DrafterPool:
             step = step.after_seed()
         link = state.link
         try:
-            index = link.request(session_id, step.step, _step_pb(step), waiting)
+            index = link.request(session_id, step.step, step_request(step), waiting)
             return _Asked(state, link, session_id, step.step, index)
         except asyncio.QueueFull:
             self._stalled(link)  # NOTE: the link stays recorded, so the next step re-seeds and counts it
@@ -532,7 +488,7 @@ class DrafterPool:
             if reply.error.code == grpc.StatusCode.NOT_FOUND.value[0]:
                 ask.state.link = None
             return None
-        return _tree_from_pb(reply.tree.tree)
+        return tree_from_reply(reply.tree.tree)
 
     def _tally(self, replies: list[drafter_pb2.DrafterReply | ConnectionError | None]) -> None:
         """The round's trees per replica, one increment each (an increment takes a lock), and the drafters' own
