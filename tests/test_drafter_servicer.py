@@ -281,6 +281,32 @@ def test_a_seed_sent_ahead_is_acknowledged_and_the_session_is_opening_until_then
     assert asyncio.run(main(False)) == (False, False, 0)
 
 
+def test_an_open_unacknowledged_past_the_patience_or_on_a_lost_replica_holds_no_draft_back(monkeypatch) -> None:
+    """A replica that never acknowledges (or is gone) must not keep a session plain for good: past
+    OPEN_ACK_PATIENCE_S its steps go behind the Open, and a lost replica's session re-seeds at its next draft."""
+    async def main() -> None:
+        servicer = DrafterServicer(RecordingDrafter(), "r0")
+        server, pool = await serve(servicer)
+        try:
+            await pool.refresh()
+            link = next(iter(pool.links.values()))
+            pool.attach("s", lambda: PROMPT, None)
+            pool.open_soon("s")
+            assert pool.opening("s")
+            monkeypatch.setattr("verifier_service.drafter_pool.OPEN_ACK_PATIENCE_S", 0.0)
+            assert not pool.opening("s")
+            monkeypatch.undo()
+            pool.sessions["s"].opening = 1e18  # NOTE: as if still waiting for the acknowledgement
+            link.alive = False
+            assert not pool.opening("s") and not pool.is_open("s")
+        finally:
+            await pool.stop()
+            servicer.task.cancel()
+            await server.stop(None)
+
+    asyncio.run(main())
+
+
 def test_a_verifier_that_stops_reading_stops_the_reader_not_the_memory(monkeypatch) -> None:
     """Replies for a stream whose writes hang are bounded: past the limit the reader takes no more requests,
     so gRPC flow control holds the verifier back; everything is answered once writes resume."""
