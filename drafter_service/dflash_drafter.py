@@ -32,7 +32,7 @@ class DFlashDrafter:
         self.weight = model.fc.weight
         self.info = DrafterInfo("dflash", config.block_size, context_window, tuple(config.target_layer_ids),
                                 config.feature_dim, max_budget, str(self.weight.dtype).removeprefix("torch."),
-                                str(self.weight.device))
+                                str(self.weight.device), max_sessions)
 
     def _features(self, features: torch.Tensor | None, rows: int, field: str) -> torch.Tensor:
         if features is None:

@@ -22,6 +22,7 @@ class DrafterInfo:
     max_budget: int
     dtype: str = ""  # the model's ("" without one)
     device: str = "cpu"
+    max_sessions: int = 0  # mirrors open at once (0: no limit)
 
 
 class Drafter(Protocol):

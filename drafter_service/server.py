@@ -28,6 +28,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dtype", default=None)
     parser.add_argument("--context-window", type=int, default=1024, help="W; 0 = unlimited")
     parser.add_argument("--max-budget", type=int, default=255)
+    parser.add_argument("--max-sessions", type=int, default=64,
+                        help="DFlash: session mirrors held at once (each holds its window's K/V in every layer)")
     parser.add_argument("--ngram-min", type=int, default=1)
     parser.add_argument("--ngram-max", type=int, default=4)
     parser.add_argument("--replica-id", default=f"{socket.gethostname()}:{os.getpid()}")
@@ -53,7 +55,7 @@ def drafter_metrics(servicer: DrafterServicer) -> CollectorRegistry:
 
 def load_drafter(drafter: str, target: str | None, device: str = "cpu", dtype: str | None = None,
                  context_window: int | None = 1024, max_budget: int = 255,
-                 ngram_sizes: tuple[int, int] = (1, 4)) -> Drafter:
+                 ngram_sizes: tuple[int, int] = (1, 4), max_sessions: int = 64) -> Drafter:
     """`drafter` is a DFlash checkpoint directory or 'ngram'."""
     if drafter == "ngram":
         from drafter_service.ngram_drafter import NgramDrafter
@@ -64,7 +66,8 @@ def load_drafter(drafter: str, target: str | None, device: str = "cpu", dtype: s
 
     if not target:
         raise ValueError("a DFlash drafter needs the target checkpoint (it shares its embed_tokens and lm_head)")
-    tree_drafter = DFlashDrafter(load_dflash(drafter, target, dtype, device), context_window, max_budget=max_budget)
+    tree_drafter = DFlashDrafter(load_dflash(drafter, target, dtype, device), context_window, max_budget=max_budget,
+                                 max_sessions=max_sessions)
     tree_drafter.warmup()  # NOTE: captures the CUDA graphs of every batch size now, not during the first steps
     return tree_drafter
 
@@ -72,7 +75,7 @@ def load_drafter(drafter: str, target: str | None, device: str = "cpu", dtype: s
 async def serve(args: argparse.Namespace) -> None:
     auth = internal_auth(args)
     drafter = load_drafter(args.drafter, args.target, args.device, args.dtype, args.context_window or None,
-                           args.max_budget, (args.ngram_min, args.ngram_max))
+                           args.max_budget, (args.ngram_min, args.ngram_max), args.max_sessions)
     servicer = DrafterServicer(drafter, args.replica_id)
     # NOTE: verifiers find new replicas by re-resolving the name themselves; a long connection age only bounds
     # how long a verifier keeps a connection to an address that DNS no longer lists.

@@ -304,4 +304,4 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             context_window=info.context_window or 0, target_layer_ids=list(info.target_layer_ids),
             feature_dim=info.feature_dim, max_tree_budget=info.max_budget, open_sessions=len(self.open_ids),
             dtype=info.dtype, device=info.device, cuda_graphs=self.drafter.captured_graphs, batches=True,
-            open_acks=True)
+            open_acks=True, max_sessions=info.max_sessions)

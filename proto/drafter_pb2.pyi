@@ -124,7 +124,7 @@ class DrafterInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DrafterInfoReply(_message.Message):
-    __slots__ = ("replica_id", "drafter_kind", "block_size", "context_window", "target_layer_ids", "feature_dim", "max_tree_budget", "open_sessions", "dtype", "device", "cuda_graphs", "batches", "open_acks")
+    __slots__ = ("replica_id", "drafter_kind", "block_size", "context_window", "target_layer_ids", "feature_dim", "max_tree_budget", "open_sessions", "dtype", "device", "cuda_graphs", "batches", "open_acks", "max_sessions")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_KIND_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -138,6 +138,7 @@ class DrafterInfoReply(_message.Message):
     CUDA_GRAPHS_FIELD_NUMBER: _ClassVar[int]
     BATCHES_FIELD_NUMBER: _ClassVar[int]
     OPEN_ACKS_FIELD_NUMBER: _ClassVar[int]
+    MAX_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     drafter_kind: str
     block_size: int
@@ -151,4 +152,5 @@ class DrafterInfoReply(_message.Message):
     cuda_graphs: int
     batches: bool
     open_acks: bool
-    def __init__(self, replica_id: _Optional[str] = ..., drafter_kind: _Optional[str] = ..., block_size: _Optional[int] = ..., context_window: _Optional[int] = ..., target_layer_ids: _Optional[_Iterable[int]] = ..., feature_dim: _Optional[int] = ..., max_tree_budget: _Optional[int] = ..., open_sessions: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., cuda_graphs: _Optional[int] = ..., batches: _Optional[bool] = ..., open_acks: _Optional[bool] = ...) -> None: ...
+    max_sessions: int
+    def __init__(self, replica_id: _Optional[str] = ..., drafter_kind: _Optional[str] = ..., block_size: _Optional[int] = ..., context_window: _Optional[int] = ..., target_layer_ids: _Optional[_Iterable[int]] = ..., feature_dim: _Optional[int] = ..., max_tree_budget: _Optional[int] = ..., open_sessions: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., cuda_graphs: _Optional[int] = ..., batches: _Optional[bool] = ..., open_acks: _Optional[bool] = ..., max_sessions: _Optional[int] = ...) -> None: ...

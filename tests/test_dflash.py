@@ -249,6 +249,7 @@ def test_slot_trees_match_the_reference_as_sessions_come_and_go(variant: str, tm
     overrides, window = VARIANTS[variant]
     model = load(tmp_path, tiny_target, overrides)
     drafter = DFlashDrafter(model, window, max_budget=24, max_sessions=3)
+    assert drafter.info.max_sessions == 3  # NOTE: what its Info tells verifiers (they seed only where there is room)
     generator = torch.Generator().manual_seed(4)
     feature_dim, history, step = model.config.feature_dim, {}, itertools.count()
 

@@ -307,6 +307,34 @@ def test_an_open_unacknowledged_past_the_patience_or_on_a_lost_replica_holds_no_
     asyncio.run(main())
 
 
+def test_a_session_is_seeded_only_where_a_replica_has_room_for_its_mirror() -> None:
+    """A replica full of mirrors (its Info's max_sessions) gets no Open: one would fail, and the session's next step
+    would send its seed again, every step (42 MB each for a DFlash drafter). The session steps without drafts until
+    a mirror closes, then seeds."""
+    async def main() -> None:
+        servicer = DrafterServicer(RecordingDrafter(), "r0")
+        server, pool = await serve(servicer)
+        try:
+            await pool.refresh()
+            link = next(iter(pool.links.values()))
+            link.info.max_sessions = 1
+            for session_id in ("a", "b"):
+                pool.attach(session_id, lambda: PROMPT, None)
+                pool.open_soon(session_id)
+            assert link.mirrors == {"a"} and not pool.is_open("b")
+            assert await pool.draft(DraftStep("b", 0, [], None, 5, len(PROMPT), 8)) is None
+            assert link.mirrors == {"a"} and servicer.open_ids <= {"a"}  # NOTE: no Open went out for b
+            pool.close_mirror("a")
+            tree = await pool.draft(DraftStep("b", 1, [], None, 5, len(PROMPT), 8))
+            assert tree.tokens == reference_tree(PROMPT + [5]) and link.mirrors == {"b"}
+        finally:
+            await pool.stop()
+            servicer.task.cancel()
+            await server.stop(None)
+
+    asyncio.run(main())
+
+
 def test_a_verifier_that_stops_reading_stops_the_reader_not_the_memory(monkeypatch) -> None:
     """Replies for a stream whose writes hang are bounded: past the limit the reader takes no more requests,
     so gRPC flow control holds the verifier back; everything is answered once writes resume."""

@@ -79,6 +79,7 @@ class ReplicaLink:
         self.reader: asyncio.Task | None = None
         self.prober: asyncio.Task | None = None
         self.orphans: set[str] = set()  # sessions moved away while it did not answer: close their mirrors
+        self.mirrors: set[str] = set()  # sessions holding one of its slots, as far as this verifier knows
 
     async def connect(self, timeout_s: float) -> drafter_pb2.DrafterInfoReply:
         self.info = await self.stub.Info(drafter_pb2.DrafterInfoRequest(), timeout=timeout_s)
@@ -145,6 +146,11 @@ class ReplicaLink:
 
     def usable(self) -> bool:
         return self.alive and self.healthy
+
+    def has_room(self, session_id: str) -> bool:
+        """Whether the replica can take the session's mirror (its Info's max_sessions; one it holds it has)."""
+        limit = self.info.max_sessions if self.info is not None else 0
+        return not limit or len(self.mirrors) < limit or session_id in self.mirrors
 
     def probe_until_healthy(self, interval_s: float, timeout_s: float, on_healthy: Callable[[], None]) -> None:
         """Stop using the replica; ask for its Info every `interval_s` until it answers within `timeout_s`."""
@@ -347,12 +353,15 @@ class DrafterPool:
 
     @staticmethod
     def _send_close(link: ReplicaLink, session_id: str) -> None:
+        link.mirrors.discard(session_id)
         with contextlib.suppress(asyncio.QueueFull):  # NOTE: the stream's end closes every mirror anyway
             link.send(close_request(session_id))
 
     def _session_error(self, session_id: str) -> None:
         state = self.sessions.get(session_id)
         if state is not None:
+            if state.link is not None:
+                state.link.mirrors.discard(session_id)  # NOTE: a failed Open took no slot; a lost mirror holds none
             state.link, state.opening = None, None  # re-seed before the next step
 
     def _opened(self, link: ReplicaLink, session_id: str) -> None:
@@ -411,9 +420,11 @@ class DrafterPool:
         self.sessions.pop(session_id, None)
 
     def _seed(self, session_id: str, state: SessionDraftState, ahead: bool = False) -> bool:
-        """Open the session's mirror on a replica. `ahead` of its drafts, a replica that acknowledges Opens is asked
-        to, and the session is `opening` until it does; otherwise the seed goes in front of a step."""
-        links = self.usable_links()
+        """Open the session's mirror on a replica with room for it; none has: False, the session steps without drafts
+        (an Open past a replica's max_sessions would fail, and the next step would send its seed again). `ahead` of
+        its drafts, a replica that acknowledges Opens is asked to, and the session is `opening` until it does;
+        otherwise the seed goes in front of a step."""
+        links = [link for link in self.usable_links() if link.has_room(session_id)]
         if not links:
             return False
         old, link = state.link, links[next(self.round_robin) % len(links)]
@@ -428,6 +439,7 @@ class DrafterPool:
             self._stalled(link)
             return False
         state.link, state.opening = link, time.perf_counter() if acknowledge else None
+        link.mirrors.add(session_id)
         if old is not None:
             self.metrics.reseeds.inc()
         return True
@@ -486,6 +498,7 @@ class DrafterPool:
             return None
         if reply.WhichOneof("kind") == "error":
             if reply.error.code == grpc.StatusCode.NOT_FOUND.value[0]:
+                ask.link.mirrors.discard(ask.session_id)
                 ask.state.link = None
             return None
         return tree_from_reply(reply.tree.tree)
