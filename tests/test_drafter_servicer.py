@@ -8,8 +8,10 @@ servicer behind real gRPC with the verifier's DrafterPool."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 from collections import deque
+from collections.abc import AsyncIterator
 from dataclasses import replace
 
 import grpc
@@ -223,13 +225,24 @@ async def serve(servicer: DrafterServicer) -> tuple[grpc.aio.Server, DrafterPool
     return server, DrafterPool(f"127.0.0.1:{port}", VerifierMetrics(), timeout_s=5.0)
 
 
+@contextlib.asynccontextmanager
+async def connected_pool(servicer: DrafterServicer) -> AsyncIterator[tuple[DrafterPool, ReplicaLink]]:
+    """The servicer behind real gRPC on loopback, and a verifier's pool connected to it (its one link)."""
+    server, pool = await serve(servicer)
+    try:
+        await pool.refresh()
+        yield pool, next(iter(pool.links.values()))
+    finally:
+        await pool.stop()
+        servicer.task.cancel()
+        await server.stop(None)
+
+
 def test_the_verifier_pool_drafts_over_grpc_and_its_sessions_close_with_the_stream() -> None:
     async def main() -> None:
         drafter = RecordingDrafter()
         servicer = DrafterServicer(drafter, "r0")
-        server, pool = await serve(servicer)
-        try:
-            await pool.refresh()
+        async with connected_pool(servicer) as (pool, _):
             pool.attach("s", lambda: PROMPT, None)
             history = list(PROMPT)
             for step, (committed, root) in enumerate([([], 5), ([5], 6), ([6], 7)]):
@@ -245,10 +258,6 @@ def test_the_verifier_pool_drafts_over_grpc_and_its_sessions_close_with_the_stre
                     break
                 await asyncio.sleep(0.01)
             assert not servicer.open_ids and "s" not in drafter.ngram
-        finally:
-            await pool.stop()
-            servicer.task.cancel()
-            await server.stop(None)
     asyncio.run(main())
 
 
@@ -258,10 +267,8 @@ def test_a_seed_sent_ahead_is_acknowledged_and_the_session_is_opening_until_then
     older replica) the session counts as open at once: its first draft goes behind the seed."""
     async def main(acks: bool) -> tuple[bool, bool, int]:
         servicer = DrafterServicer(RecordingDrafter(), "r0")
-        server, pool = await serve(servicer)
-        try:
-            await pool.refresh()
-            next(iter(pool.links.values())).info.open_acks = acks
+        async with connected_pool(servicer) as (pool, link):
+            link.info.open_acks = acks
             pool.attach("s", lambda: PROMPT, None)
             pool.open_soon("s")
             opening_at_once = pool.opening("s")
@@ -272,10 +279,6 @@ def test_a_seed_sent_ahead_is_acknowledged_and_the_session_is_opening_until_then
             tree = await pool.draft(DraftStep("s", 0, [], None, 5, len(PROMPT), 8))
             assert tree.tokens == reference_tree(PROMPT + [5]) and servicer.open_ids == {"s"}
             return opening_at_once, pool.opening("s"), histogram(pool.metrics, "ddtree_verifier_seed_seconds")[0]
-        finally:
-            await pool.stop()
-            servicer.task.cancel()
-            await server.stop(None)
 
     assert asyncio.run(main(True)) == (True, False, 1)
     assert asyncio.run(main(False)) == (False, False, 0)
@@ -285,11 +288,7 @@ def test_an_open_unacknowledged_past_the_patience_or_on_a_lost_replica_holds_no_
     """A replica that never acknowledges (or is gone) must not keep a session plain for good: past
     OPEN_ACK_PATIENCE_S its steps go behind the Open, and a lost replica's session re-seeds at its next draft."""
     async def main() -> None:
-        servicer = DrafterServicer(RecordingDrafter(), "r0")
-        server, pool = await serve(servicer)
-        try:
-            await pool.refresh()
-            link = next(iter(pool.links.values()))
+        async with connected_pool(DrafterServicer(RecordingDrafter(), "r0")) as (pool, link):
             pool.attach("s", lambda: PROMPT, None)
             pool.open_soon("s")
             assert pool.opening("s")
@@ -299,10 +298,6 @@ def test_an_open_unacknowledged_past_the_patience_or_on_a_lost_replica_holds_no_
             pool.sessions["s"].opening = 1e18  # NOTE: as if still waiting for the acknowledgement
             link.alive = False
             assert not pool.opening("s") and not pool.is_open("s")
-        finally:
-            await pool.stop()
-            servicer.task.cancel()
-            await server.stop(None)
 
     asyncio.run(main())
 
@@ -313,10 +308,7 @@ def test_a_session_is_seeded_only_where_a_replica_has_room_for_its_mirror() -> N
     a mirror closes, then seeds."""
     async def main() -> None:
         servicer = DrafterServicer(RecordingDrafter(), "r0")
-        server, pool = await serve(servicer)
-        try:
-            await pool.refresh()
-            link = next(iter(pool.links.values()))
+        async with connected_pool(servicer) as (pool, link):
             link.info.max_sessions = 1
             for session_id in ("a", "b"):
                 pool.attach(session_id, lambda: PROMPT, None)
@@ -327,10 +319,6 @@ def test_a_session_is_seeded_only_where_a_replica_has_room_for_its_mirror() -> N
             pool.close_mirror("a")
             tree = await pool.draft(DraftStep("b", 1, [], None, 5, len(PROMPT), 8))
             assert tree.tokens == reference_tree(PROMPT + [5]) and link.mirrors == {"b"}
-        finally:
-            await pool.stop()
-            servicer.task.cancel()
-            await server.stop(None)
 
     asyncio.run(main())
 
@@ -395,10 +383,8 @@ def test_the_verifier_pool_batches_a_steps_requests_where_the_replica_takes_batc
         handle = servicer._handle
         monkeypatch.setattr(servicer, "_handle", lambda requests, stream: received.append(len(requests)) or handle(
             requests, stream))
-        server, pool = await serve(servicer)
-        try:
-            await pool.refresh()
-            next(iter(pool.links.values())).info.batches = batches
+        async with connected_pool(servicer) as (pool, link):
+            link.info.batches = batches
             sessions = [f"s{i}" for i in range(8)]
             for session_id in sessions:
                 pool.attach(session_id, lambda: PROMPT, None)
@@ -407,10 +393,6 @@ def test_the_verifier_pool_batches_a_steps_requests_where_the_replica_takes_batc
                     s, step, committed, None, root, len(PROMPT) + max(0, step - 1), 8)) for s in sessions))
                 assert {tree.tokens for tree in trees} == {reference_tree(PROMPT + [5, 6][:step + 1])}
             return received
-        finally:
-            await pool.stop()
-            servicer.task.cancel()
-            await server.stop(None)
 
     assert asyncio.run(main(True)) == [16, 8]  # the first step opens every mirror too
     assert asyncio.run(main(False)) == [1] * 24
