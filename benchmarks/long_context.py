@@ -44,7 +44,7 @@ from pathlib import Path
 
 from e2e_step import git_commit, shape_of
 from prometheus_client.parser import text_string_to_metric_families
-from throughput import add_budget_sweep_args, budget_pins, prompts
+from throughput import add_budget_sweep_args, best_fixed, budget_pins, median_runs, prompts
 
 from ddtree.bench import RequestRecord, summarize
 from ddtree.client import AsyncClient
@@ -290,21 +290,13 @@ def measure(drafter: str, plan: StackPlan) -> tuple[list[dict], float]:
 
 def median_rates(rows: list[dict]) -> dict[tuple[str, int, str], tuple[int, float]]:
     """(drafter, context, budget) -> (runs, median decode tokens/s per session), over the rows that have a rate."""
-    rates: dict[tuple[str, int, str], list[float]] = {}
-    for row in rows:
-        if row["decode_tokens_per_s"]:
-            rates.setdefault((row["drafter"], row["context"], row.get("budget", "-")), []).append(
-                row["decode_tokens_per_s"])
-    return {key: (len(values), statistics.median(values)) for key, values in rates.items()}
+    return median_runs(rows, lambda r: (r["drafter"], r["context"], r.get("budget", "-")),
+                       lambda r: r["decode_tokens_per_s"] or None)
 
 
 def best_fixed_rates(medians: dict[tuple[str, int, str], tuple[int, float]]) -> dict[tuple[str, int], float]:
     """(drafter, context) -> the best median rate of a pinned budget."""
-    best: dict[tuple[str, int], float] = {}
-    for (drafter, context, budget), (_, rate) in medians.items():
-        if budget.isdigit():
-            best[drafter, context] = max(best.get((drafter, context), 0.0), rate)
-    return best
+    return best_fixed(medians, lambda key: key[:2], lambda key: key[2])
 
 
 def add_speedups(rows: list[dict]) -> None:

@@ -227,22 +227,41 @@ def pair(values: list[float | None], spec: str) -> str:
 def summary(rows: list[dict]) -> list[str]:
     """Per (sessions, choice): the medians over its runs, and each against the best fixed budget's median (the
     adaptive target: at least 0.95)."""
-    medians: dict[tuple[int, str], tuple[int, float, float | None]] = {}
-    for c, choice in dict.fromkeys((r["concurrency"], r["tree_budget"]) for r in rows):
-        runs = [r for r in rows if (r["concurrency"], r["tree_budget"]) == (c, choice)]
-        windows = [r["full_window_tokens_per_s"][0] for r in runs if r["full_window_tokens_per_s"][0] is not None]
-        medians[c, choice] = (len(runs), statistics.median(r["speculative_tokens_per_s"] for r in runs),
-                              statistics.median(windows) if windows else None)
+    def key(row: dict) -> tuple:
+        return row["concurrency"], row["tree_budget"]
+
+    totals = median_runs(rows, key, lambda r: r["speculative_tokens_per_s"])
+    windows = median_runs(rows, key, lambda r: r["full_window_tokens_per_s"][0])
+    best_total = best_fixed(totals, lambda k: k[0], lambda k: k[1])
+    best_window = best_fixed(windows, lambda k: k[0], lambda k: k[1])
     lines = ["| sessions | tree budget | runs | median tok/s | / best fixed | median full-window tok/s "
              "| / best fixed |",
              "|---|---|---|---|---|---|---|"]
-    for (c, choice), (runs, total, window) in medians.items():
-        fixed = [m for (c2, ch), m in medians.items() if c2 == c and ch != "adaptive"]
-        best_total = max((m[1] for m in fixed), default=None)
-        best_window = max((m[2] for m in fixed if m[2] is not None), default=None)
-        lines.append(f"| {c} | {choice} | {runs} | {total:.0f} | {pair([ratio(total, best_total)], '.2f')} "
-                     f"| {pair([window], '.0f')} | {pair([ratio(window, best_window)], '.2f')} |")
+    for (c, choice), (runs, total) in totals.items():
+        window = windows.get((c, choice), (0, None))[1]
+        lines.append(f"| {c} | {choice} | {runs} | {total:.0f} | {pair([ratio(total, best_total.get(c))], '.2f')} "
+                     f"| {pair([window], '.0f')} | {pair([ratio(window, best_window.get(c))], '.2f')} |")
     return lines
+
+
+def median_runs(rows: list[dict], key: Callable[[dict], tuple], value: Callable[[dict], float | None]
+                ) -> dict[tuple, tuple[int, float]]:
+    """key(row) -> (runs, the median of value(row)) over the rows that have a value, in the rows' order."""
+    values: dict[tuple, list[float]] = {}
+    for row in rows:
+        if (measured := value(row)) is not None:
+            values.setdefault(key(row), []).append(measured)
+    return {k: (len(v), statistics.median(v)) for k, v in values.items()}
+
+
+def best_fixed(medians: dict[tuple, tuple[int, float]], group: Callable[[tuple], object],
+               choice: Callable[[tuple], str]) -> dict[object, float]:
+    """group(key) -> the best median of a pinned budget (a choice that is a number) in that group."""
+    best: dict[object, float] = {}
+    for key, (_, rate) in medians.items():
+        if choice(key).isdigit():
+            best[group(key)] = max(best.get(group(key), 0.0), rate)
+    return best
 
 
 def ratio(value: float | None, best: float | None) -> float | None:
