@@ -104,13 +104,14 @@ class ChainDrafters:
         return [DraftTree.chain([3] * self.sizes[step.session_id]) for step in steps]
 
 
-def run_loop(engine: FakeEngine, drafters: ChainDrafters | None, consume, cohorts: int = 1) -> VerifierMetrics:
+def run_loop(engine: FakeEngine, drafters: ChainDrafters | None, consume, cohorts: int = 1,
+             costs: StepCosts | None = None) -> VerifierMetrics:
     """Start a loop over `engine`, run `consume(loop)`, stop the loop; returns its metrics."""
     metrics = VerifierMetrics()
 
     async def main() -> None:
         worker = EngineWorker()
-        loop = StepLoop(engine, worker, drafters, metrics, StepCosts(), cohorts)
+        loop = StepLoop(engine, worker, drafters, metrics, costs or StepCosts(), cohorts)
         loop.start()
         try:
             await consume(loop)
@@ -189,11 +190,35 @@ def test_a_passs_host_work_is_measured_apart_from_its_engine_calls_and_draft_rou
         await read_all(loop, engine.sessions["drafting"], 3)
         await read_all(loop, engine.sessions["plain"], 0)
 
-    metrics = run_loop(engine, drafters, consume)
+    costs = StepCosts()
+    metrics = run_loop(engine, drafters, consume, costs=costs)
     drafting_passes, drafting_s = histogram_count_and_sum(metrics.drafting_pass_host_seconds)
     plain_steps, plain_s = histogram_count_and_sum(metrics.plain_step_host_seconds)
     assert drafting_passes == 3 and plain_steps >= 2  # NOTE: the drafting session's steps after its first
     assert 0 <= drafting_s / drafting_passes < 0.04 and 0 <= plain_s / plain_steps < 0.04
+    # NOTE: the budget planner is taught the same, per kind of pass
+    assert costs.pass_host[True].weight > 2.5 and 0 < costs.pass_host_s(True) < 0.04
+    assert costs.pass_host[False].weight > 1.5 and 0 < costs.pass_host_s(False) < 0.04
+
+
+def test_the_cost_model_learns_a_steps_own_time_not_its_wait_behind_other_engine_work() -> None:
+    """A step queued behind another session's prefill chunk (here a 0.3 s call on the engine thread) waits for it:
+    the step's cost is what the engine spent on it, or the plain steps measured while sessions join look dearer
+    than the trees measured later, and the planner drafts at every step."""
+    engine = FakeEngine({"s": 3}, EngineConfig(decode_burst_steps=1), step_seconds=0.01)
+    costs = StepCosts()
+
+    async def consume(loop: StepLoop) -> None:
+        prefill = asyncio.ensure_future(loop.worker.call(time.sleep, 0.3))
+        await asyncio.sleep(0.01)
+        started = time.perf_counter()
+        await read_all(loop, engine.sessions["s"], 0)
+        assert time.perf_counter() - started > 0.25  # NOTE: the first step did wait behind the chunk
+        await prefill
+
+    run_loop(engine, None, consume, costs=costs)
+    measured = [mean.value for row in costs.verify.rows.values() for mean in row.values()]
+    assert measured and max(measured) < 0.05
 
 
 class OpeningDrafters(ChainDrafters):

@@ -335,6 +335,19 @@ def test_a_draft_round_hidden_under_another_cohorts_step_costs_nothing() -> None
     assert planner.plan(offers, 500, hidden_s=0.01) == [0] * 16  # NOTE: 40 ms of the round still waited for
 
 
+def test_a_drafting_passs_own_host_work_weighs_against_its_drafts() -> None:
+    """The loop's work in a pass that drafts (the requests, the replies, the trees' events) is paid by its one step,
+    a plain pass's is shared by its burst: once measured, drafts that would bring half a token each no longer look
+    worth a 2 ms round plus 4 ms of host work against 0.2 ms a plain step; a whole token each still is."""
+    costs = measured_costs(round_s=0.002)
+    planner = BudgetPlanner(costs)
+    assert planner.plan([offer(0.5)] * 16, 500) == [1] * 16
+    costs.observe_pass_host(True, 0.004)
+    costs.observe_pass_host(False, 0.0002)
+    assert planner.plan([offer(0.5)] * 16, 500) == [0] * 16
+    assert planner.plan([offer(1)] * 16, 500) == [1] * 16
+
+
 def test_idle_sessions_are_probed_together_within_the_share() -> None:
     """Sessions whose records say their drafts fail are probed all in one pass (one draft round for all), the first
     probe soon, later ones at intervals that keep the probes under 3% of the batch's time."""

@@ -40,7 +40,8 @@ class BudgetPlanner:
     """Each pass's budgets. Pinned sessions get theirs. The free ones get the plan with the most expected tokens per
     second of the whole batch (sessions that step plainly beside them included), among: every free session plain,
     and, for each price a row may cost, each free session at the budget that maximises its expected accepted nodes
-    minus the price of its tree. The draft round costs what its largest draft does, once, if anyone drafts at all.
+    minus the price of its tree. The draft round costs what its largest draft does, once, if anyone drafts at all,
+    and the loop's own work for the pass as measured for drafting passes (for plain ones, a burst's share).
 
     Sessions that do not draft (their records say their drafts fail) are probed together at a small budget, as
     often as keeps the probes under `probe_share` of the batch's time: a text that did not repeat may start to, and
@@ -85,9 +86,11 @@ class BudgetPlanner:
             return 0.0
         draft_s, rows = float(pass_.draft_s(choice)), float(pass_.rows(choice))
         verify, context = self.costs.verify, pass_.context
-        step = draft_s + verify.estimate(rows, context)
+        host_s = pass_.host_s(pass_.drafting(choice))
+        step = draft_s + verify.estimate(rows, context) + host_s
         extra = (max(draft_s, self.costs.draft.estimate(probe, context)) - draft_s
-                 + verify.estimate(rows + len(idle) * probe, context) - verify.estimate(rows, context))
+                 + verify.estimate(rows + len(idle) * probe, context) - verify.estimate(rows, context)
+                 + pass_.host_s(True) - host_s)
         return extra / (self.probe_share * step)
 
 
@@ -140,9 +143,20 @@ class _Pass:
         """Expected tokens per second of the pass for each row of `choices` (the free sessions' candidates)."""
         sessions = np.arange(choices.shape[1])[None]
         tokens = self.fixed_tokens + self.accepted[sessions, choices].sum(1)
-        seconds = [draft_s + self.costs.verify.estimate(rows, self.context)
-                   for draft_s, rows in zip(self.draft_s(choices), self.rows(choices))]
+        seconds = [draft_s + self.costs.verify.estimate(rows, self.context) + self.host_s(drafting)
+                   for draft_s, rows, drafting in zip(self.draft_s(choices), self.rows(choices),
+                                                      self.drafting(choices))]
         return tokens / np.array(seconds)
+
+    def drafting(self, choices: np.ndarray) -> np.ndarray:
+        """Whether each plan drafts at all (a pinned draft makes every plan draft)."""
+        return (choices > 0).any(-1) | (self.fixed_draft_s > 0)
+
+    def host_s(self, drafting: bool) -> float:
+        """The loop's own work in a step of the plan: a drafting pass pays it for one step, a plain one shares it
+        over its burst (measured per kind of pass: on the H200 a drafting pass's is several times a plain step's,
+        which the verify and draft models do not see)."""
+        return self.costs.pass_host_s(bool(drafting))
 
     def rows(self, choices: np.ndarray) -> np.ndarray:
         return self.fixed_rows + self.nodes[np.arange(choices.shape[-1]), choices].sum(-1)

@@ -35,8 +35,9 @@ class VerifierMetrics:
         self.step_seconds = Histogram("ddtree_verifier_step_seconds", "Engine step latency", registry=r)
         self.batch_sessions = Histogram("ddtree_verifier_batch_sessions", "Sessions per engine verify step",
                                         buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256), registry=r)
-        self.batch_seconds = Histogram("ddtree_verifier_batch_seconds", "Wall time of one engine verify step "
-                                       "(the whole batch, host work included)", registry=r)
+        self.batch_seconds = Histogram("ddtree_verifier_batch_seconds", "Time of one engine verify step on the "
+                                       "engine (the whole batch, host work included; not its wait behind other "
+                                       "engine work, such as another session's prefill chunk)", registry=r)
         self.step_gap_seconds = Histogram("ddtree_verifier_step_gap_seconds", "Time from the end of one engine "
                                           "verify step to the start of the next while sessions step (drafts, the "
                                           "loop's own work, waits: what the engine is not running)", registry=r)

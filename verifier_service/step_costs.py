@@ -127,6 +127,19 @@ class StepCosts:
     draft: CostModel = field(default_factory=lambda: CostModel(prior_s=0.002, slope=0.0))
     batch: BatchShape = BatchShape(1, 1)
     drafts: list[tuple[int, int, float]] = field(default_factory=list)  # measured since the last verify step
+    # NOTE: the step loop's own work in a pass, outside its engine calls and its draft round (planning, the draft
+    # requests and replies, the events): a drafting pass pays it for its one step, a plain pass shares it over the
+    # steps of its burst. Keyed by whether the pass drafted; none until the loop has measured one of each kind.
+    pass_host: dict[bool, DecayedMean] = field(default_factory=dict)
+
+    def observe_pass_host(self, drafting: bool, seconds: float) -> None:
+        """A pass spent `seconds` of host work per step (a plain pass: its work over the forwards of its burst)."""
+        self.pass_host.setdefault(drafting, DecayedMean(0.9)).add(seconds)
+
+    def pass_host_s(self, drafting: bool) -> float:
+        """What a step of a drafting (or plain) pass costs the loop besides the engine and the drafters."""
+        known = self.pass_host.get(drafting)
+        return known.value if known is not None else 0.0
 
     def observe_batch(self, batch: BatchShape, context: int, seconds: float) -> None:
         """An engine verify step took `seconds`; `context`: its sessions' mean KV length. The drafts of

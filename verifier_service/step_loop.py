@@ -20,7 +20,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from modeling.speculation import StepCursor
 from modeling.tree import DraftTree, TreeError
@@ -35,6 +35,8 @@ from verifier_service.tree_budget import BudgetPolicy, Offer
 from verifier_service.worker import EngineWorker
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 # NOTE: a consumer hands its events on at once (to its stream's outbox, which has its own limit and the gateway's
 # credit): only a consumer held up downstream has two waiting, and it sits passes out until it takes them.
@@ -103,6 +105,13 @@ class Stepper:
             self.done.set_exception(error)
 
 
+def _timed(fn: Callable[..., T], *args) -> tuple[T, float]:
+    """fn(*args) and the seconds it ran (on the engine thread: not counting its wait behind queued work)."""
+    started = time.perf_counter()
+    result = fn(*args)
+    return result, time.perf_counter() - started
+
+
 @dataclass
 class _Planned:
     """A stepper's part of one pass."""
@@ -130,6 +139,7 @@ class StepLoop:
         self.streaming = False  # events went out and the loop has not had a turn since (their readers have work)
         self.deliveries = 0  # batches whose events went out
         self.last_call_seconds = 0.0  # the latest engine call's wall time
+        self.last_run_seconds = 0.0  # the same call's own run on the engine, without its wait behind queued work
         self.cohort_step_seconds = [0.0] * cohorts  # each cohort's last pass from its drafts in to its end
         self.down_reason: str | None = None
         self.tasks: list[asyncio.Task] = []
@@ -258,11 +268,12 @@ class StepLoop:
 
     def _observe_host_work(self, drafted: bool, outside_s: float, forwards: int) -> None:
         """A pass spent `outside_s` seconds neither in its engine calls (`forwards` model forwards) nor waiting for
-        its draft round: a drafting pass pays it for one step, a plain pass shares it over its burst's steps."""
-        if drafted:
-            self.metrics.drafting_pass_host_seconds.observe(max(outside_s, 0.0))
-        else:
-            self.metrics.plain_step_host_seconds.observe(max(outside_s, 0.0) / forwards)
+        its draft round: a drafting pass pays it for one step, a plain pass shares it over its burst's steps (the
+        budget planner weighs the two)."""
+        per_step = max(outside_s, 0.0) / (1 if drafted else forwards)
+        histogram = self.metrics.drafting_pass_host_seconds if drafted else self.metrics.plain_step_host_seconds
+        histogram.observe(per_step)
+        self.costs.observe_pass_host(drafted, per_step)
 
     def _plans(self, steppers: list[Stepper]) -> list[_Planned]:
         """The steppers' parts of this pass, in their order: a first step (or any step with no drafter, or whose
@@ -371,7 +382,7 @@ class StepLoop:
             for plan in batch:
                 await self._step([plan], started, drafted)
             return []
-        self._observe_batch(steps, results, self.last_call_seconds)
+        self._observe_batch(steps, results, self.last_run_seconds)
         self._deliver_all(batch, results, started, drafted)
         return results
 
@@ -387,17 +398,20 @@ class StepLoop:
                 log.warning("a decode burst was refused: %s", error)
             return 0
         self._observe_batch([(session_id, DraftTree.empty()) for session_id in session_ids], results,
-                            self.last_call_seconds / steps)
+                            self.last_run_seconds / steps)
         self._deliver_all(batch, results, started, drafted)
         return steps
 
     async def _engine_call(self, fn: Callable[..., list[StepResult]], *args) -> list[StepResult]:
-        """fn(*args) on the engine; `last_call_seconds` its wall time. NOTE: inline only when the loop has had a
-        turn since the last events went out (a draft round, or idling): otherwise their readers and the stream
-        writers run beside the GPU, the step on the engine thread."""
+        """fn(*args) on the engine; `last_call_seconds` its wall time, `last_run_seconds` the engine's time on it
+        alone (what the cost model learns: a step queued behind another session's prefill chunk waits tens of
+        milliseconds, which made plain steps measured while sessions joined look dearer than trees measured
+        later, and the planner then drafted at every step). NOTE: inline only when the loop has had a turn since
+        the last events went out (a draft round, or idling): otherwise their readers and the stream writers run
+        beside the GPU, the step on the engine thread."""
         call: Callable = self.worker.call if self.streaming else self.worker.step_call
         step_started = time.perf_counter()
-        results = await call(fn, *args)
+        results, self.last_run_seconds = await call(_timed, fn, *args)
         ended = time.perf_counter()
         if self.busy_since is not None:
             self.metrics.step_gap_seconds.observe(step_started - self.busy_since)
