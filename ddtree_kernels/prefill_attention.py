@@ -7,7 +7,8 @@ thousands of rows long. It runs as two fused attentions with their log-sum-exps,
 - the chunk's queries against the whole prefix, with no mask. The query heads of one KV group are folded into
   the query length ([H_kv, G * C, D] against [H_kv, S, D]), so the prefix is read once per group and never
   copied per head;
-- the chunk against itself, causal (its K/V repeated per query head: C rows, small next to the prefix).
+- the chunk against itself, causal (GQA: each KV head serves its group of query heads; C rows, small next
+  to the prefix).
 
 On CUDA both run in cuDNN's fused attention through torch: measured on an H200 at ~600 TFLOP/s for chunks of
 4k-8k tokens over a 128k prefix (77% of the bf16 matmul rate; the Triton verify kernel on 256-row blocks and
@@ -32,45 +33,66 @@ def fused_attention_available(device: torch.device) -> bool:
 
 def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                        sm_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """q, k: [H, L, D] and [H, S, D], v: [H, S, Dv] (any strides with a contiguous last dim) -> out [H, L, Dv] in
-    q's dtype and the fp32 log-sum-exp [H, L]. Causal aligns the first query with the first key (L == S here)."""
+    """q: [H, L, D], k: [H_k, S, D], v: [H_k, S, Dv] (any strides with a contiguous last dim; H a multiple of H_k,
+    query head h attending with key head h // (H / H_k)) -> out [H, L, Dv] in q's dtype and the fp32 log-sum-exp
+    [H, L]. Causal aligns the first query with the first key (L == S here)."""
     if fused_attention_available(q.device) and q.dtype in (torch.bfloat16, torch.float16):
         value_dim = v.shape[-1]
         if value_dim != q.shape[-1]:  # NOTE: MLA's narrower values, zero-padded to the key width
             v = torch.nn.functional.pad(v, (0, q.shape[-1] - value_dim))
+        # NOTE: cuDNN takes fewer key heads as they are (GQA): K/V repeated per query head cost a copy of both
         out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
             q[None], k[None], v[None], None, True, 0.0, causal, False, scale=sm_scale)[:2]
         return out[0, ..., :value_dim], lse.reshape(q.shape[:2]).float()
-    scores = torch.einsum("hld,hsd->hls", q.float(), k.float()) * sm_scale
+    group = q.shape[0] // k.shape[0]
+    k, v = k.repeat_interleave(group, 0).float(), v.repeat_interleave(group, 0).float()
+    scores = torch.einsum("hld,hsd->hls", q.float(), k) * sm_scale
     if causal:
         future = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).triu(1)
         scores = scores.masked_fill(future, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
-    return torch.einsum("hls,hsd->hld", torch.exp(scores - lse[..., None]), v.float()).to(q.dtype), lse
+    return torch.einsum("hls,hsd->hld", torch.exp(scores - lse[..., None]), v).to(q.dtype), lse
 
 
 @triton.jit
-def _merge_kernel(a_ptr, a_lse_ptr, b_ptr, b_lse_ptr, out_ptr, HEAD_DIM: tl.constexpr):
-    """One row of two attentions over disjoint keys, weighted by their log-sum-exps (one read of each)."""
-    row = tl.program_id(0).to(tl.int64)
-    dims = tl.arange(0, HEAD_DIM)
-    a_lse, b_lse = tl.load(a_lse_ptr + row), tl.load(b_lse_ptr + row)
-    a_weight = 1.0 / (1.0 + tl.exp(b_lse - a_lse))
-    a = tl.load(a_ptr + row * HEAD_DIM + dims).to(tl.float32)
-    b = tl.load(b_ptr + row * HEAD_DIM + dims).to(tl.float32)
-    tl.store(out_ptr + row * HEAD_DIM + dims, (b + (a - b) * a_weight).to(out_ptr.dtype.element_ty))
+def _merge_kernel(a_ptr, a_lse_ptr, b_ptr, b_lse_ptr, out_ptr, rows, a_head, a_row, b_head, b_row, lse_a_head,
+                  lse_b_head, out_head, out_row, HEAD_DIM: tl.constexpr, BLOCK_ROWS: tl.constexpr):
+    """BLOCK_ROWS rows of one head of two attentions over disjoint keys, weighted by their log-sum-exps (one read
+    of each, any row and head strides: the fused attentions' outputs are read and the result written in the
+    layouts they and the caller keep, with no copy between)."""
+    head = tl.program_id(1).to(tl.int64)
+    row = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    inside = row < rows
+    dims = tl.arange(0, HEAD_DIM)[None, :]
+    a_lse = tl.load(a_lse_ptr + head * lse_a_head + row, mask=inside, other=0.0)
+    b_lse = tl.load(b_lse_ptr + head * lse_b_head + row, mask=inside, other=0.0)
+    a_weight = (1.0 / (1.0 + tl.exp(b_lse - a_lse)))[:, None]
+    a = tl.load(a_ptr + head * a_head + row[:, None] * a_row + dims, mask=inside[:, None]).to(tl.float32)
+    b = tl.load(b_ptr + head * b_head + row[:, None] * b_row + dims, mask=inside[:, None]).to(tl.float32)
+    tl.store(out_ptr + head * out_head + row[:, None] * out_row + dims,
+             (b + (a - b) * a_weight).to(out_ptr.dtype.element_ty), mask=inside[:, None])
 
 
-def merge_by_lse(a: torch.Tensor, a_lse: torch.Tensor, b: torch.Tensor, b_lse: torch.Tensor) -> torch.Tensor:
-    """a, b: [H, L, D] with fp32 lse [H, L] -> the attention over both key sets, in a's dtype."""
+MERGE_ROWS = 32  # NOTE: rows of one head per program: 4k elements, enough to stream at the copy bandwidth
+
+
+def merge_by_lse(a: torch.Tensor, a_lse: torch.Tensor, b: torch.Tensor, b_lse: torch.Tensor,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """a, b: [H, L, D] with fp32 lse [H, L] -> the attention over both key sets, in a's dtype, written into `out`
+    ([H, L, D], any head and row strides; a new contiguous tensor by default)."""
+    if out is None:
+        out = torch.empty(a.shape, dtype=a.dtype, device=a.device)
     if a.is_cuda and triton.next_power_of_2(a.shape[-1]) == a.shape[-1]:
-        a, b = a.contiguous(), b.contiguous()
-        out = torch.empty_like(a)
-        _merge_kernel[(a.shape[0] * a.shape[1],)](a, a_lse.contiguous(), b, b_lse.contiguous(), out,
-                                                   HEAD_DIM=a.shape[-1], num_warps=1)
+        heads, rows, dim = a.shape
+        a_lse, b_lse = a_lse.contiguous(), b_lse.contiguous()
+        for tensor in (a, b, out):
+            assert tensor.stride(-1) == 1, "merge_by_lse: the last dimension must be contiguous"
+        _merge_kernel[(triton.cdiv(rows, MERGE_ROWS), heads)](
+            a, a_lse, b, b_lse, out, rows, a.stride(0), a.stride(1), b.stride(0), b.stride(1), a_lse.stride(0),
+            b_lse.stride(0), out.stride(0), out.stride(1), HEAD_DIM=dim, BLOCK_ROWS=MERGE_ROWS, num_warps=4)
         return out
     a_weight = torch.sigmoid(a_lse - b_lse)[..., None]
-    return b.float().lerp_(a.float(), a_weight).to(a.dtype)
+    return out.copy_(b.float().lerp_(a.float(), a_weight))
 
 
 def build_plans(heads: int, kv_heads: int, dim: int, chunk: int, max_prefix: int, dtype: torch.dtype,
@@ -82,8 +104,9 @@ def build_plans(heads: int, kv_heads: int, dim: int, chunk: int, max_prefix: int
         return 0
     group = heads // kv_heads
     keys = torch.zeros(max(max_prefix, chunk), kv_heads, dim, dtype=dtype, device=device)
-    by_head = torch.zeros(heads, chunk, dim, dtype=dtype, device=device)
-    attention_with_lse(by_head, by_head, by_head, True, 1.0)
+    by_head = torch.zeros(chunk, heads, dim, dtype=dtype, device=device).transpose(0, 1)  # NOTE: as prefill's strides
+    chunk_keys = keys[:chunk].transpose(0, 1)
+    attention_with_lse(by_head, chunk_keys, chunk_keys, True, 1.0)
     folded = torch.zeros(kv_heads, group * chunk, dim, dtype=dtype, device=device)
     prefix_lens = range(chunk, max_prefix + 1, chunk)
     for prefix_len in prefix_lens:
@@ -100,15 +123,17 @@ def prefill_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Ten
     chunk, heads, dim = q.shape
     group = heads // k.shape[1]
     by_head = q.transpose(0, 1)  # [H_q, C, D]
-    out, lse = attention_with_lse(by_head, k.repeat_interleave(group, 1).transpose(0, 1),
-                                  v.repeat_interleave(group, 1).transpose(0, 1), True, sm_scale)
-    if prefix_len > 0:
-        folded = by_head.reshape(-1, group * chunk, dim)  # [H_kv, G * C, D]: head h is row block h % G of h // G
-        prefix_k = gather_prefix(k_pages, block_table, prefix_len).transpose(0, 1)  # [H_kv, S, D]
-        prefix_v = gather_prefix(v_pages, block_table, prefix_len).transpose(0, 1)
-        prefix_out, prefix_lse = attention_with_lse(folded, prefix_k, prefix_v, False, sm_scale)
-        out = merge_by_lse(out, lse, prefix_out.reshape(heads, chunk, dim), prefix_lse.reshape(heads, chunk))
-    return out.transpose(0, 1)
+    out, lse = attention_with_lse(by_head, k.transpose(0, 1), v.transpose(0, 1), True, sm_scale)
+    if prefix_len == 0:
+        return out.transpose(0, 1)
+    folded = by_head.reshape(-1, group * chunk, dim)  # [H_kv, G * C, D]: head h is row block h % G of h // G
+    prefix_k = gather_prefix(k_pages, block_table, prefix_len).transpose(0, 1)  # [H_kv, S, D]
+    prefix_v = gather_prefix(v_pages, block_table, prefix_len).transpose(0, 1)
+    prefix_out, prefix_lse = attention_with_lse(folded, prefix_k, prefix_v, False, sm_scale)
+    merged = torch.empty_like(q)  # NOTE: [C, H, D], as the output projection reads it
+    merge_by_lse(out, lse, prefix_out.reshape(heads, chunk, dim), prefix_lse.reshape(heads, chunk),
+                 out=merged.transpose(0, 1))
+    return merged
 
 
 def expand_latents(entries: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
