@@ -374,8 +374,8 @@ def test_a_batch_of_requests_is_drafted_together_and_answered_in_one_message() -
 
 
 def test_the_verifier_pool_batches_a_steps_requests_where_the_replica_takes_batches(monkeypatch) -> None:
-    """Sessions that draft at once share a message each way; a replica whose Info does not offer batches (an older
-    one) gets one message per request. The trees are the same either way."""
+    """Sessions that draft in one round (the step loop's draft_all) share a message each way; a replica whose Info
+    does not offer batches (an older one) gets one message per request. The trees are the same either way."""
     async def main(batches: bool) -> list[int]:
         drafter = RecordingDrafter()
         servicer = DrafterServicer(drafter, "r0")
@@ -389,8 +389,8 @@ def test_the_verifier_pool_batches_a_steps_requests_where_the_replica_takes_batc
             for session_id in sessions:
                 pool.attach(session_id, lambda: PROMPT, None)
             for step, (committed, root) in enumerate([([], 5), ([5], 6)]):
-                trees = await asyncio.gather(*(pool.draft(DraftStep(
-                    s, step, committed, None, root, len(PROMPT) + max(0, step - 1), 8)) for s in sessions))
+                position = len(PROMPT) + max(0, step - 1)
+                trees = await pool.draft_all([DraftStep(s, step, committed, None, root, position, 8) for s in sessions])
                 assert {tree.tokens for tree in trees} == {reference_tree(PROMPT + [5, 6][:step + 1])}
             return received
 
@@ -398,26 +398,24 @@ def test_the_verifier_pool_batches_a_steps_requests_where_the_replica_takes_batc
     assert asyncio.run(main(False)) == [1] * 24
 
 
-def test_a_link_sends_what_queued_together_as_one_batch_and_ends_at_the_close(monkeypatch) -> None:
-    """A request alone goes as itself; requests queued in one turn go as one message, no larger than BATCH_BYTES
-    (a seed's features can take megabytes), and the end marker among them still ends the stream after them."""
+def test_a_link_sends_what_queued_together_as_one_batch(monkeypatch) -> None:
+    """A request alone goes as itself; requests queued together go as one message, no larger than BATCH_BYTES (a
+    seed's features can take megabytes)."""
     monkeypatch.setattr("verifier_service.drafter_pool.BATCH_BYTES", 2 * close_request("b").size)
 
     async def main() -> tuple:
-        link = ReplicaLink("127.0.0.1:1", lambda _: None, lambda: None)  # NOTE: never connected
+        link = ReplicaLink("127.0.0.1:1", lambda _: None, lambda: None)  # NOTE: never connected: nothing is written
         link.info = drafter_pb2.DrafterInfoReply(batches=True)
-        requests = link._requests()
         link.send(close_request("a"))
-        alone = await anext(requests)
+        alone = link._next_message()
         for session_id in ("b", "c", "d"):
             link.send(close_request(session_id))
-        link.outbox.put_nowait(None)
-        rest = [message async for message in requests]
-        await link.channel.close()
-        return alone, rest
+        messages = [link._next_message(), link._next_message()]
+        await link.close()
+        return alone, messages, len(link.outbox)
 
-    alone, (batch, last) = asyncio.run(main())
-    assert alone.close.session_id == "a"
+    alone, (batch, last), left = asyncio.run(main())
+    assert alone.close.session_id == "a" and left == 0
     assert [r.close.session_id for r in batch.batch.requests] == ["b", "c"] and last.close.session_id == "d"
 
 

@@ -260,6 +260,38 @@ def test_run_ahead_stops_producing_when_the_stream_stops_reading() -> None:
     asyncio.run(main())
 
 
+class RecordingCall:
+    """A Draft stream that records each write's kind and whether the loop had turned since the round began."""
+
+    def __init__(self, turned: list[bool]):
+        self.turned, self.writes = turned, []
+
+    async def write(self, request: drafter_pb2.DrafterRequest) -> None:
+        self.writes.append((request.WhichOneof("kind"), self.turned[0]))
+
+
+def test_a_draft_round_writes_its_requests_itself_before_the_loop_turns() -> None:
+    """The round's requests go out from draft_all's own coroutine, in one batch message: handed to a writer task,
+    they waited a turn of the loop behind whatever else was ready, inside every decode step."""
+
+    async def main() -> list:
+        pool = DrafterPool("127.0.0.1:9", VerifierMetrics(), timeout_s=0.05, refresh_s=60.0)
+        link = ReplicaLink("127.0.0.1:9", lambda session_id: None, lambda: None)
+        link.alive, link.info = True, drafter_pb2.DrafterInfoReply(batches=True, max_sessions=8)
+        turned = [False]
+        call = link.call = RecordingCall(turned)
+        pool.links[link.address] = link
+        for session_id in ("a", "b"):
+            pool.attach(session_id, lambda: [1, 2, 3], None)
+        asyncio.get_running_loop().call_soon(turned.__setitem__, 0, True)
+        await pool.draft_all([DraftStep(session_id, 0, [], None, 4, 3, 15) for session_id in ("a", "b")])
+        link.call = None  # NOTE: nothing to half-close
+        await pool.stop()
+        return call.writes
+
+    assert asyncio.run(main()) == [("batch", False)]  # NOTE: both Opens and both steps, before the loop turned
+
+
 def test_a_replica_whose_stream_stopped_taking_requests_is_stalled_not_queued_to(monkeypatch) -> None:
     """The requests waiting for one replica's stream are bounded: once full, a step runs without that replica at
     once (no timeout to wait) and the replica is marked as stalled."""
@@ -276,7 +308,7 @@ def test_a_replica_whose_stream_stopped_taking_requests_is_stalled_not_queued_to
             link.send(sized(drafter_pb2.DrafterRequest()))
         started = time.perf_counter()
         assert await pool.draft(DraftStep("s", 0, [], None, 4, 3, 15)) is None
-        assert time.perf_counter() - started < 0.5 and link.outbox.qsize() == 4
+        assert time.perf_counter() - started < 0.5 and len(link.outbox) == 4
         assert not link.healthy and metrics.drafter_stalls._value.get() == 1
         await pool.stop()
 
