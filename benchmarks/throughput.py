@@ -150,7 +150,8 @@ def agreeing_prefix(a: list[int], b: list[int]) -> int:
 
 
 HISTOGRAMS = ("tree_budget", "batch_sessions", "batch_seconds", "step_gap_seconds", "draft_round_seconds",
-              "drafting_pass_host_seconds", "plain_step_host_seconds")
+              "drafting_pass_host_seconds", "plain_step_host_seconds", "engine_gpu_seconds",
+              "step_host_overhead_seconds")
 
 
 def histogram_totals(metrics_url: str) -> dict[str, tuple[float, float]]:
@@ -334,6 +335,10 @@ def main() -> None:
                      "host_ms": [spec["mean_drafting_pass_host_seconds"] * 1e3,
                                  spec["mean_plain_step_host_seconds"] * 1e3,
                                  plain["mean_plain_step_host_seconds"] * 1e3],
+                     # NOTE: per forward, from CUDA events around each engine call (none on the CPU)
+                     "gpu_and_host_overhead_ms": [[none_or(run["mean_engine_gpu_seconds"] or None, 1e3),
+                                                   none_or(run["mean_step_host_overhead_seconds"] or None, 1e3)]
+                                                  for run in (spec, plain)],
                      "full_window_tokens_per_s": [spec["full_window_tokens_per_s"], plain["full_window_tokens_per_s"]],
                      "full_window_batch_ms": [none_or(run["full_window"]["batch_seconds"], 1e3)
                                               for run in (spec, plain)],
@@ -358,8 +363,9 @@ def main() -> None:
              "| identical outputs | tokens agreeing before the first difference "
              "| full window: tok/s, speculative / plain | full window: ms per engine step, speculative / plain "
              "| full window: ms between engine steps, speculative / plain "
-             "| host ms per drafting pass / per plain step, speculative; per plain step, plain | run |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| host ms per drafting pass / per plain step, speculative; per plain step, plain "
+             "| GPU / host overhead ms per forward, speculative; plain | run |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     lines += [f"| {r['concurrency']} | {r['tree_budget']} | {r['mean_tree_budget']:.1f} "
               f"| {r['speculative_tokens_per_s']:.1f} | {r['plain_tokens_per_s']:.1f} | "
               f"{r['speedup']:.2f}x | {r['speculative_decode_tokens_per_s']:.0f} / "
@@ -374,6 +380,7 @@ def main() -> None:
               f"| {pair(r['full_window_tokens_per_s'], '.0f')} | {pair(r['full_window_batch_ms'], '.1f')} "
               f"| {pair(r['full_window_gap_ms'], '.1f')} "
               f"| {r['host_ms'][0]:.2f} / {r['host_ms'][1]:.2f}; {r['host_ms'][2]:.2f} "
+              f"| {pair(r['gpu_and_host_overhead_ms'][0], '.2f')}; {pair(r['gpu_and_host_overhead_ms'][1], '.2f')} "
               f"| {r['run']} |" for r in rows]
     lines += ["", *summary(rows)]
     note = ("tok/s counts every generated token over the wall time of the whole run, prefill included; decode "
@@ -384,12 +391,16 @@ def main() -> None:
             "ITL is each streamed chunk's gap shared by its tokens, over all sessions. The plain floor is the sessions "
             "over a step that reads the weights and every session's KV once at the copy bandwidth measured here. "
             "Sessions per step and ms per engine step are the means over the run's engine verify steps (the batch's "
-            "wall time in the engine, host work included; prefill chunks not counted). The full window is the "
+            "time in the engine, host work included, not its wait behind a prefill chunk; prefill chunks not "
+            "counted). The full window is the "
             "stretch in which every session decodes (from the last first token to the first finish; '-' when there "
             "was none): no prefill shares the GPU there, and no tail of stragglers; the ms between engine steps are "
             "what the engine does not run while sessions step (drafts, the loop's own work, waits). Host ms: the "
             "verifier's step passes outside their engine calls and draft rounds (planning, handing events on, the "
-            "streams meanwhile), per drafting pass and per plain step of a burst; 0 where there was none. "
+            "streams meanwhile), per drafting pass and per plain step of a burst; 0 where there was none. GPU / host "
+            "overhead ms per forward: the GPU's time on each engine call (CUDA events around it) and the rest of the "
+            "call's wall time since the call before (issue 26's host overhead: step wall time less GPU busy time), "
+            "per forward; '-' on the CPU. "
             "On the CPU (fp32) the outputs are asserted equal. In bf16 the verify step (prefix partials merged with "
             "the tree block) and a plain step round differently, so near-tied argmaxes can flip (counted here).")
     chosen = [f"- {r['concurrency']} sessions, run {r['run']}: "

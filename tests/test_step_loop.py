@@ -19,6 +19,7 @@ from verifier_service.engine.engine import StepResult
 from verifier_service.engine.sampling import SamplingParams
 from verifier_service.engine.stopping import StopReason
 from verifier_service.errors import EngineDown, InvalidArgument, SessionNotFound
+from verifier_service.gpu_clock import GpuClock
 from verifier_service.metrics import VerifierMetrics
 from verifier_service.service import VerifierService
 from verifier_service.step_costs import StepCosts
@@ -219,6 +220,40 @@ def test_the_cost_model_learns_a_steps_own_time_not_its_wait_behind_other_engine
     run_loop(engine, None, consume, costs=costs)
     measured = [mean.value for row in costs.verify.rows.values() for mean in row.values()]
     assert measured and max(measured) < 0.05
+
+
+def test_each_engine_calls_gpu_time_and_the_hosts_share_of_its_steps_are_measured(monkeypatch) -> None:
+    """With a GPU clock (here the wall clock standing in for CUDA events), every engine call's GPU time is observed
+    per forward, and the rest of its wall time from the call before: a burst of 4 plain steps counts 4 forwards."""
+    class WallEvent:
+        def record(self) -> None:
+            self.at = time.perf_counter()
+
+        def query(self) -> bool:
+            return True
+
+        def elapsed_time(self, end: WallEvent) -> float:
+            return (end.at - self.at) * 1e3
+
+    monkeypatch.setattr(GpuClock, "for_device", staticmethod(lambda device: GpuClock(WallEvent)))
+
+    def measured(burst: int) -> tuple[int, float, float]:
+        """(engine calls, GPU s and host s per forward) of 9 tokens; each fake call takes 10 ms, a burst too."""
+        engine = FakeEngine({"s": 9}, EngineConfig(decode_burst_steps=burst), step_seconds=0.01)
+
+        async def consume(loop: StepLoop) -> None:
+            await read_all(loop, engine.sessions["s"], 0)
+
+        metrics = run_loop(engine, None, consume)
+        calls, gpu_s = histogram_count_and_sum(metrics.engine_gpu_seconds)
+        _, host_s = histogram_count_and_sum(metrics.step_host_overhead_seconds)
+        assert calls == len(engine.batches)
+        return int(calls), gpu_s / calls, host_s / calls
+
+    calls, gpu_s, host_s = measured(1)
+    assert calls == 9 and 0.009 < gpu_s < 0.02 and 0 <= host_s < 0.005
+    _, gpu_s, _ = measured(4)
+    assert 0.009 / 4 < gpu_s < 0.009  # NOTE: the first step alone (10 ms), then bursts: 10 ms over 4 forwards
 
 
 class OpeningDrafters(ChainDrafters):

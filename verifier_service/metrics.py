@@ -62,6 +62,13 @@ class VerifierMetrics:
         self.plain_step_host_seconds = Histogram(
             "ddtree_verifier_plain_step_host_seconds", "Time of a plain step pass outside its engine calls, per "
             "step of its burst (what the same host work costs each plain token)", buckets=host_buckets, registry=r)
+        self.engine_gpu_seconds = Histogram(
+            "ddtree_verifier_engine_gpu_seconds", "The GPU's time on one engine call (CUDA events around it), per "
+            "forward of the call (a decode burst runs several)", registry=r)
+        self.step_host_overhead_seconds = Histogram(
+            "ddtree_verifier_step_host_overhead_seconds", "Per forward of an engine call: its wall time from the end "
+            "of the call before it (while sessions step) less the GPU's time on it: what the host adds to a step "
+            "(the loop's work, draft rounds, the engine's launches and reads)", buckets=host_buckets, registry=r)
         self.kv_pages_used = Gauge("ddtree_verifier_kv_pages_used", "KV pages in use", registry=r)
         self.kv_pages_free = Gauge("ddtree_verifier_kv_pages_free", "KV pages free", registry=r)
         self.sessions = Gauge("ddtree_verifier_sessions", "Open sessions", registry=r)

@@ -29,6 +29,7 @@ from verifier_service.drafter_pool import DrafterPool
 from verifier_service.engine.engine import Engine, StepResult
 from verifier_service.engine.session import Session
 from verifier_service.errors import CapacityError, EngineDown
+from verifier_service.gpu_clock import GpuClock
 from verifier_service.metrics import VerifierMetrics
 from verifier_service.step_costs import BatchShape, StepCosts
 from verifier_service.tree_budget import BudgetPolicy, Offer
@@ -105,10 +106,13 @@ class Stepper:
             self.done.set_exception(error)
 
 
-def _timed(fn: Callable[..., T], *args) -> tuple[T, float]:
-    """fn(*args) and the seconds it ran (on the engine thread: not counting its wait behind queued work)."""
+def _timed(fn: Callable[..., T], clock: GpuClock, *args) -> tuple[T, float]:
+    """fn(*args) and the seconds it ran (on the engine thread: not counting its wait behind queued work), its GPU
+    work between the clock's events."""
     started = time.perf_counter()
+    mark = clock.start()
     result = fn(*args)
+    clock.stop(mark)
     return result, time.perf_counter() - started
 
 
@@ -140,6 +144,8 @@ class StepLoop:
         self.deliveries = 0  # batches whose events went out
         self.last_call_seconds = 0.0  # the latest engine call's wall time
         self.last_run_seconds = 0.0  # the same call's own run on the engine, without its wait behind queued work
+        self.clock = GpuClock.for_device(engine.config.device)
+        self.clocked: collections.deque[tuple[float, int]] = collections.deque()  # (wall s, forwards) per call
         self.cohort_step_seconds = [0.0] * cohorts  # each cohort's last pass from its drafts in to its end
         self.down_reason: str | None = None
         self.tasks: list[asyncio.Task] = []
@@ -392,7 +398,7 @@ class StepLoop:
         session_ids = [plan.stepper.session_id for plan in batch]
         try:
             steps = self.engine.burst_length(session_ids, wanted)  # NOTE: raises for a session released meanwhile
-            results = await self._engine_call(self.engine.decode, session_ids, steps)
+            results = await self._engine_call(self.engine.decode, session_ids, steps, forwards=steps)
         except Exception as error:  # noqa: BLE001 - a burst is an optimisation: its refusal fails no one
             if self.down_reason is None and not isinstance(error, CapacityError):
                 log.warning("a decode burst was refused: %s", error)
@@ -402,7 +408,7 @@ class StepLoop:
         self._deliver_all(batch, results, started, drafted)
         return steps
 
-    async def _engine_call(self, fn: Callable[..., list[StepResult]], *args) -> list[StepResult]:
+    async def _engine_call(self, fn: Callable[..., list[StepResult]], *args, forwards: int = 1) -> list[StepResult]:
         """fn(*args) on the engine; `last_call_seconds` its wall time, `last_run_seconds` the engine's time on it
         alone (what the cost model learns: a step queued behind another session's prefill chunk waits tens of
         milliseconds, which made plain steps measured while sessions joined look dearer than trees measured
@@ -411,12 +417,23 @@ class StepLoop:
         beside the GPU, the step on the engine thread."""
         call: Callable = self.worker.call if self.streaming else self.worker.step_call
         step_started = time.perf_counter()
-        results, self.last_run_seconds = await call(_timed, fn, *args)
+        results, self.last_run_seconds = await call(_timed, fn, self.clock, *args)
         ended = time.perf_counter()
         if self.busy_since is not None:
             self.metrics.step_gap_seconds.observe(step_started - self.busy_since)
+        if self.clock.enabled:  # NOTE: the call's wall time runs from the last one's end while sessions step
+            self.clocked.append((ended - (step_started if self.busy_since is None else self.busy_since), forwards))
+            self._observe_gpu()
         self.busy_since, self.last_call_seconds = ended, ended - step_started
         return results
+
+    def _observe_gpu(self) -> None:
+        """The GPU's time per forward of the engine calls that have ended on it, and the rest of their wall time:
+        the host's share of a step (the loop's work, the drafts, the engine's host work)."""
+        for gpu_s in self.clock.finished():
+            wall_s, forwards = self.clocked.popleft()
+            self.metrics.engine_gpu_seconds.observe(gpu_s / forwards)
+            self.metrics.step_host_overhead_seconds.observe(max(wall_s - gpu_s, 0.0) / forwards)
 
     def _deliver_all(self, batch: list[_Planned], results: list[StepResult], started: float, drafted: float) -> None:
         ended = time.perf_counter()
