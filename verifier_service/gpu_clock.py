@@ -1,14 +1,16 @@
 """The GPU's time on each engine call, from a CUDA event pair around it: against the step's wall time, what the
 host costs a step (issue 26's host overhead: step wall time less GPU busy time).
 
-A pair is read one call late, once its end has passed on the GPU: a call returns while its last kernels (the KV
-commit) may still run, and waiting for them would take the next step's host work off the GPU's shadow."""
+A pair is read at a later look, once its end has passed on the GPU: a call returns while its last kernels (the KV
+commit) may still run, and waiting for them would take the next step's host work out of the GPU's shadow."""
 
 from __future__ import annotations
 
 import collections
 from collections.abc import Callable
 from typing import Protocol
+
+import torch
 
 
 class TimingEvent(Protocol):
@@ -18,8 +20,8 @@ class TimingEvent(Protocol):
 
 
 class GpuClock:
-    """Event pairs around engine calls, in call order. `new_event`: a timing CUDA event's constructor, or None
-    where there is no GPU (the clock then measures nothing)."""
+    """Event pairs around engine calls, in call order. `new_event`: a timing event's constructor (a CudaEvent on
+    the engine's device), or None where there is no GPU (the clock then measures nothing)."""
 
     def __init__(self, new_event: Callable[[], TimingEvent] | None):
         self.new_event = new_event
@@ -28,11 +30,7 @@ class GpuClock:
     @staticmethod
     def for_device(device: str) -> GpuClock:
         """A clock for the engine's device ("cuda", "cuda:1", "cpu", ...)."""
-        if not device.startswith("cuda"):
-            return GpuClock(None)
-        import torch
-
-        return GpuClock(lambda: torch.cuda.Event(enable_timing=True))
+        return GpuClock(lambda: CudaEvent(device)) if device.startswith("cuda") else GpuClock(None)
 
     @property
     def enabled(self) -> bool:
@@ -61,3 +59,21 @@ class GpuClock:
             start, end = self.pending.popleft()
             done.append(start.elapsed_time(end) / 1e3)
         return done
+
+
+class CudaEvent:
+    """A timing CUDA event recorded on its device's current stream (the engine's device need not be the thread's
+    current one)."""
+
+    def __init__(self, device: str):
+        self.device = torch.device(device)
+        self.event = torch.cuda.Event(enable_timing=True)
+
+    def record(self) -> None:
+        self.event.record(torch.cuda.current_stream(self.device))
+
+    def query(self) -> bool:
+        return self.event.query()
+
+    def elapsed_time(self, end: CudaEvent) -> float:
+        return self.event.elapsed_time(end.event)
