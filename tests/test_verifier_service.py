@@ -261,35 +261,56 @@ def test_run_ahead_stops_producing_when_the_stream_stops_reading() -> None:
 
 
 class RecordingCall:
-    """A Draft stream that records each write's kind and whether the loop had turned since the round began."""
+    """A Draft stream that records each write's kind and whether the loop had turned since the round began; with
+    `stuck`, no write ever completes (a replica that has stopped reading)."""
 
-    def __init__(self, turned: list[bool]):
-        self.turned, self.writes = turned, []
+    def __init__(self, turned: list[bool], stuck: bool = False):
+        self.turned, self.stuck, self.writes = turned, stuck, []
 
     async def write(self, request: drafter_pb2.DrafterRequest) -> None:
         self.writes.append((request.WhichOneof("kind"), self.turned[0]))
+        if self.stuck:
+            await asyncio.Event().wait()
 
 
-def test_a_draft_round_writes_its_requests_itself_before_the_loop_turns() -> None:
-    """The round's requests go out from draft_all's own coroutine, in one batch message: handed to a writer task,
-    they waited a turn of the loop behind whatever else was ready, inside every decode step."""
+def draft_round(stuck: bool = False, timeout_s: float = 0.05) -> tuple[list, list, float]:
+    """Two sessions' first draft round through a pool whose one link writes to a RecordingCall: (the writes, the
+    trees, the round's seconds)."""
 
-    async def main() -> list:
-        pool = DrafterPool("127.0.0.1:9", VerifierMetrics(), timeout_s=0.05, refresh_s=60.0)
+    async def main() -> tuple[list, list, float]:
+        pool = DrafterPool("127.0.0.1:9", VerifierMetrics(), timeout_s=timeout_s, refresh_s=60.0)
         link = ReplicaLink("127.0.0.1:9", lambda session_id: None, lambda: None)
         link.alive, link.info = True, drafter_pb2.DrafterInfoReply(batches=True, max_sessions=8)
         turned = [False]
-        call = link.call = RecordingCall(turned)
+        call = link.call = RecordingCall(turned, stuck)
         pool.links[link.address] = link
         for session_id in ("a", "b"):
             pool.attach(session_id, lambda: [1, 2, 3], None)
         asyncio.get_running_loop().call_soon(turned.__setitem__, 0, True)
-        await pool.draft_all([DraftStep(session_id, 0, [], None, 4, 3, 15) for session_id in ("a", "b")])
+        started = time.perf_counter()
+        trees = await pool.draft_all([DraftStep(session_id, 0, [], None, 4, 3, 15) for session_id in ("a", "b")])
+        seconds = time.perf_counter() - started
         link.call = None  # NOTE: nothing to half-close
         await pool.stop()
-        return call.writes
+        return call.writes, trees, seconds
 
-    assert asyncio.run(main()) == [("batch", False)]  # NOTE: both Opens and both steps, before the loop turned
+    return asyncio.run(main())
+
+
+def test_a_draft_round_writes_its_requests_itself_before_the_loop_turns(monkeypatch) -> None:
+    """The round's requests go out from draft_all's own coroutine, in one batch message: handed to a writer task,
+    they waited a turn of the loop behind whatever else was ready, inside every decode step. What does not fit one
+    message (a seed's features) is left to the writer task, whose write may outlast the round."""
+    assert draft_round()[0] == [("batch", False)]  # NOTE: both Opens and both steps, before the loop turned
+    monkeypatch.setattr("verifier_service.drafter_pool.BATCH_BYTES", 1)
+    assert [turned for _, turned in draft_round()[0]] == [True] * 4
+
+
+def test_a_round_whose_replica_takes_no_write_ends_at_its_deadline() -> None:
+    """A replica that has stopped reading holds the round's write: the round still ends at its deadline, without
+    trees (the write is cancelled, which ends the replica's stream in gRPC)."""
+    writes, trees, seconds = draft_round(stuck=True, timeout_s=0.1)
+    assert writes == [("batch", False)] and trees == [None, None] and seconds < 0.5
 
 
 def test_a_replica_whose_stream_stopped_taking_requests_is_stalled_not_queued_to(monkeypatch) -> None:

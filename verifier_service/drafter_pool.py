@@ -11,8 +11,9 @@ import itertools
 import logging
 import socket
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import grpc
 import torch
@@ -33,6 +34,8 @@ from verifier_service.drafter_messages import (
 from verifier_service.metrics import VerifierMetrics
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 def resolve_targets(target: str) -> list[str]:
@@ -57,6 +60,15 @@ BATCH_BYTES = 1 << 20
 # NOTE: how long a session whose Open was not acknowledged yet steps without drafts; past this its steps go behind
 # the Open anyway (a replica handles its stream's requests in order), as with a replica that does not acknowledge
 OPEN_ACK_PATIENCE_S = 10.0
+
+
+async def within(timeout_s: float, awaitable: Awaitable[T]) -> T:
+    """`awaitable`, cancelled past `timeout_s` (asyncio.TimeoutError); on Python 3.11+ without a task of its own,
+    which would cost a turn of the loop before it starts."""
+    if hasattr(asyncio, "timeout"):
+        async with asyncio.timeout(timeout_s):
+            return await awaitable
+    return await asyncio.wait_for(awaitable, timeout_s)
 
 
 class ReplicaLink:
@@ -94,20 +106,38 @@ class ReplicaLink:
 
     def send(self, outgoing: Outgoing, write_soon: bool = True) -> None:
         """Queue a request; raises asyncio.QueueFull when the replica has stopped reading. A task writes it in the
-        loop's next turn, unless the sender says it writes it itself (`write_queued`)."""
+        loop's next turn, unless the sender says it writes it itself (a draft round: `flush`)."""
         if len(self.outbox) >= OUTBOX_LIMIT:
             raise asyncio.QueueFull
         self.outbox.append(outgoing)
-        if write_soon and (self.writer is None or self.writer.done()):
+        if write_soon:
+            self._write_soon()
+
+    def _write_soon(self) -> None:
+        if self.writer is None or self.writer.done():
             self.writer = asyncio.ensure_future(self.write_queued())
+
+    async def flush(self, timeout_s: float) -> None:
+        """A draft round's requests, written by the round itself: left to the writer task, they waited a turn of the
+        loop behind whatever else was ready (~0.17 ms a round on the H100 host, inside every decode step). Only
+        what fits one message: a seed among them goes to the writer task, whose write may outlast the round. A
+        write the replica does not take within `timeout_s` is cancelled, and gRPC then ends the whole call (a
+        message cannot be taken back halfway): the link is lost, and its sessions are seeded elsewhere."""
+        if self.writing or self.call is None:
+            return
+        if sum(outgoing.size for outgoing in self.outbox) > BATCH_BYTES:
+            self._write_soon()
+            return
+        try:
+            await within(timeout_s, self.write_queued())
+        except asyncio.TimeoutError:
+            log.warning("drafter %s took no request for %.1f s: its stream ends", self.address, timeout_s)
 
     async def write_queued(self) -> None:
         """Write what is queued: those that wait together in one batch message where the replica takes them (the
         sessions of a draft round queue theirs at once), up to BATCH_BYTES a message (an Open carries its seed's
         features, and a batch must stay far below the message limit); one write at a time on the stream, and
-        what queues meanwhile goes with the next. A draft round calls this itself: left to the writer task, its
-        requests would wait a turn of the loop behind whatever else is ready (~0.17 ms a round measured on the
-        H100 host, inside every decode step)."""
+        what queues meanwhile goes with the next."""
         if self.writing or self.call is None:
             return
         self.writing = True
@@ -186,9 +216,8 @@ class ReplicaLink:
             return
 
     def request(self, session_id: str, step: int, request: Outgoing, waiting: _Round) -> int:
-        """Queue a step's request for the caller's `write_queued`; `waiting` gets its reply (ConnectionError when
-        the stream ends first) at the returned index. Raises asyncio.QueueFull when the replica has stopped
-        reading."""
+        """Queue a step's request for the round's `flush`; `waiting` gets its reply (ConnectionError when the
+        stream ends first) at the returned index. Raises asyncio.QueueFull when the replica has stopped reading."""
         self.send(request, write_soon=False)
         index = waiting.expect()
         self.waiting[(session_id, step)] = (waiting, index)
@@ -477,11 +506,13 @@ class DrafterPool:
         is awaited, so each replica takes them in one message, and they share one deadline."""
         waiting = _Round()
         asked = [self._ask(step, waiting) for step in steps]
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.timeout_s
         try:
             for link in {ask.link for ask in asked if ask is not None}:
-                await link.write_queued()
+                await link.flush(max(0.0, deadline - loop.time()))
             if waiting.left:
-                await asyncio.wait((waiting.done,), timeout=self.timeout_s)
+                await asyncio.wait((waiting.done,), timeout=max(0.0, deadline - loop.time()))
             trees = [self._tree(ask, waiting.replies) for ask in asked]
             self._tally(waiting.replies)
             return trees
