@@ -231,6 +231,10 @@ def context_row(drafter: str, context: int, budget: str, streams: list[Stream], 
         "plain_step_host_ms": mean_ms("ddtree_verifier_plain_step_host_seconds"),
         "drafting_pass_host_ms": mean_ms("ddtree_verifier_drafting_pass_host_seconds"),
         "step_gap_ms": mean_ms("ddtree_verifier_step_gap_seconds"),
+        # on a GPU, per forward: the GPU's time (CUDA events around each engine call) and the rest of the step's
+        # wall time (the host's share: the loop, the draft round, the engine's launches); None on the CPU
+        "engine_gpu_ms": mean_ms("ddtree_verifier_engine_gpu_seconds"),
+        "step_host_overhead_ms": mean_ms("ddtree_verifier_step_host_overhead_seconds"),
         "mean_acceptance_length": report["mean_acceptance_length"], "steps": int(steps),
         "drafted_nodes_per_step": delta.get("ddtree_verifier_drafted_nodes_total", 0.0) / steps if steps else None,
         # the tree budget the verifier chose per step after each generation's first (where it reports it)

@@ -36,6 +36,7 @@ def test_smoke_run_reports_ttft_decode_rate_step_times_and_acceptance(tmp_path: 
     assert rows["ngram"]["seed_ms"] > 0 and rows["none"]["seed_ms"] is None  # the first draft opens
     assert rows["none"]["plain_step_host_ms"] > 0 and rows["none"]["step_gap_ms"] > 0
     assert rows["ngram"]["drafting_pass_host_ms"] > 0
+    assert rows["ngram"]["engine_gpu_ms"] is None and rows["none"]["step_host_overhead_ms"] is None  # NOTE: no CUDA
     assert rows["none"]["speedup_vs_plain"] == 1
     assert rows["ngram"]["speedup_vs_plain"] > 0
     table = (tmp_path / "long_context_tiny.md").read_text()
