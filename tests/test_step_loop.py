@@ -206,7 +206,7 @@ def test_the_cost_model_learns_a_steps_own_time_not_its_wait_behind_other_engine
     """A step queued behind another session's prefill chunk (here a 0.3 s call on the engine thread) waits for it:
     the step's cost is what the engine spent on it, or the plain steps measured while sessions join look dearer
     than the trees measured later, and the planner drafts at every step."""
-    engine = FakeEngine({"s": 3}, EngineConfig(decode_burst_steps=1), step_seconds=0.01)
+    engine = FakeEngine({"s": 2}, EngineConfig(decode_burst_steps=1), step_seconds=0.01)
     costs = StepCosts()
 
     async def consume(loop: StepLoop) -> None:
@@ -219,7 +219,7 @@ def test_the_cost_model_learns_a_steps_own_time_not_its_wait_behind_other_engine
 
     run_loop(engine, None, consume, costs=costs)
     measured = [mean.value for row in costs.verify.rows.values() for mean in row.values()]
-    assert measured and max(measured) < 0.05
+    assert measured and max(measured) < 0.06  # NOTE: 0.14 when the wait counts
 
 
 def test_each_engine_calls_gpu_time_and_the_hosts_share_of_its_steps_are_measured(monkeypatch) -> None:
@@ -251,9 +251,9 @@ def test_each_engine_calls_gpu_time_and_the_hosts_share_of_its_steps_are_measure
         return int(calls), gpu_s / calls, host_s / calls
 
     calls, gpu_s, host_s = measured(1)
-    assert calls == 9 and 0.009 < gpu_s < 0.02 and 0 <= host_s < 0.005
-    _, gpu_s, _ = measured(4)
-    assert 0.009 / 4 < gpu_s < 0.009  # NOTE: the first step alone (10 ms), then bursts: 10 ms over 4 forwards
+    assert calls == 9 and 0.009 < gpu_s < 0.05 and 0 <= host_s < 0.05
+    _, burst_gpu_s, _ = measured(4)
+    assert burst_gpu_s < gpu_s / 2  # NOTE: the first step alone (10 ms), then bursts: 10 ms over 4 forwards
 
 
 class OpeningDrafters(ChainDrafters):
