@@ -38,7 +38,18 @@ class StepCursor:
     position: int  # KV length when generation starts; then the position of `committed[0]`
     step: int = 0
     committed: list[int] = field(default_factory=list)
-    features: torch.Tensor | None = None
+    # NOTE: the target features of `committed`, by step: joined when read. Joined at every step that skipped the
+    # drafter, a session at budget 0 copied all its features since its last draft at each step (quadratic: 40 KB a
+    # token for a Qwen3-8B-shaped DFlash drafter)
+    feature_chunks: list[torch.Tensor] = field(default_factory=list)
+
+    @property
+    def features(self) -> torch.Tensor | None:
+        """[len(committed), F], or None without features (an n-gram drafter's session)."""
+        if len(self.feature_chunks) > 1:
+            dtype = self.feature_chunks[0].dtype
+            self.feature_chunks = [torch.cat([chunk.to(dtype) for chunk in self.feature_chunks])]
+        return self.feature_chunks[0] if self.feature_chunks else None
 
     def draft_step(self, root: int, budget: int) -> DraftStep:
         return DraftStep(self.session_id, self.step, self.committed, self.features, root, self.position, budget)
@@ -50,11 +61,12 @@ class StepCursor:
         to those, so the next draft brings the drafter's mirror up to date instead of re-seeding it."""
         self.step += 1
         if drafted or not self.committed:
-            self.committed, self.features, self.position = committed, features, commit_start
+            self.committed, self.position = committed, commit_start
+            self.feature_chunks = [] if features is None else [features]
             return
         self.committed = self.committed + committed
         if features is not None:
-            self.features = torch.cat([self.features, features.to(self.features.dtype)])
+            self.feature_chunks.append(features)
 
 
 class DrafterSeed(NamedTuple):
