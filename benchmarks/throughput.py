@@ -212,7 +212,8 @@ def measure(target: str, drafter: str, device: str, verifier_args: tuple[str, ..
                         **run, **histogram_means(before, histogram_totals(metrics_url)),
                         "full_window": {key: full.get(f"mean_{key}")
                                         for key in ("batch_seconds", "batch_sessions", "step_gap_seconds",
-                                                        "draft_round_seconds")},
+                                                        "draft_round_seconds", "engine_gpu_seconds",
+                                                        "step_host_overhead_seconds")},
                         "budget_shares": budget_shares(budgets_before, budget_counts(metrics_url))}
     return runs
 
@@ -346,6 +347,10 @@ def main() -> None:
                      "full_window_gap_ms": [none_or(run["full_window"]["step_gap_seconds"], 1e3)
                                             for run in (spec, plain)],
                      "full_window_draft_round_ms": none_or(spec["full_window"]["draft_round_seconds"], 1e3),
+                     "full_window_gpu_and_host_overhead_ms": [
+                         [none_or(run["full_window"]["engine_gpu_seconds"] or None, 1e3),
+                          none_or(run["full_window"]["step_host_overhead_seconds"] or None, 1e3)]
+                         for run in (spec, plain)],
                      "mean_agreeing_prefix": statistics.mean(agreeing_prefix(a, b) for a, b in
                                                             zip(spec["outputs"], plain["outputs"]))})
     command = "python " + " ".join(sys.argv)
@@ -364,8 +369,9 @@ def main() -> None:
              "| full window: tok/s, speculative / plain | full window: ms per engine step, speculative / plain "
              "| full window: ms between engine steps, speculative / plain "
              "| host ms per drafting pass / per plain step, speculative; per plain step, plain "
-             "| GPU / host overhead ms per forward, speculative; plain | run |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| GPU / host overhead ms per forward, speculative; plain "
+             "| full window: GPU / host overhead ms per forward, speculative; plain | run |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     lines += [f"| {r['concurrency']} | {r['tree_budget']} | {r['mean_tree_budget']:.1f} "
               f"| {r['speculative_tokens_per_s']:.1f} | {r['plain_tokens_per_s']:.1f} | "
               f"{r['speedup']:.2f}x | {r['speculative_decode_tokens_per_s']:.0f} / "
@@ -381,6 +387,8 @@ def main() -> None:
               f"| {pair(r['full_window_gap_ms'], '.1f')} "
               f"| {r['host_ms'][0]:.2f} / {r['host_ms'][1]:.2f}; {r['host_ms'][2]:.2f} "
               f"| {pair(r['gpu_and_host_overhead_ms'][0], '.2f')}; {pair(r['gpu_and_host_overhead_ms'][1], '.2f')} "
+              f"| {pair(r['full_window_gpu_and_host_overhead_ms'][0], '.2f')}; "
+              f"{pair(r['full_window_gpu_and_host_overhead_ms'][1], '.2f')} "
               f"| {r['run']} |" for r in rows]
     lines += ["", *summary(rows)]
     note = ("tok/s counts every generated token over the wall time of the whole run, prefill included; decode "
@@ -399,8 +407,9 @@ def main() -> None:
             "verifier's step passes outside their engine calls and draft rounds (planning, handing events on, the "
             "streams meanwhile), per drafting pass and per plain step of a burst; 0 where there was none. GPU / host "
             "overhead ms per forward: the GPU's time on each engine call (CUDA events around it) and the rest of the "
-            "call's wall time since the call before (issue 26's host overhead: step wall time less GPU busy time), "
-            "per forward; '-' on the CPU. "
+            "call's wall time since the call before, less the engine's time on prefill chunks in between (issue 26's "
+            "host overhead: step wall time less GPU busy time), per forward, over the run and over its full window; "
+            "'-' on the CPU. "
             "On the CPU (fp32) the outputs are asserted equal. In bf16 the verify step (prefix partials merged with "
             "the tree block) and a plain step round differently, so near-tied argmaxes can flip (counted here).")
     chosen = [f"- {r['concurrency']} sessions, run {r['run']}: "

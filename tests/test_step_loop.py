@@ -224,7 +224,8 @@ def test_the_cost_model_learns_a_steps_own_time_not_its_wait_behind_other_engine
 
 def test_each_engine_calls_gpu_time_and_the_hosts_share_of_its_steps_are_measured(monkeypatch) -> None:
     """With a GPU clock (here the wall clock standing in for CUDA events), every engine call's GPU time is observed
-    per forward, and the rest of its wall time from the call before: a burst of 4 plain steps counts 4 forwards."""
+    per forward, and the rest of its wall time from the call before, less other engine calls in between: a burst
+    of 4 plain steps counts 4 forwards."""
     class WallEvent:
         def record(self) -> None:
             self.at = time.perf_counter()
@@ -237,12 +238,18 @@ def test_each_engine_calls_gpu_time_and_the_hosts_share_of_its_steps_are_measure
 
     monkeypatch.setattr(GpuClock, "for_device", staticmethod(lambda device: GpuClock(WallEvent)))
 
-    def measured(burst: int) -> tuple[int, float, float]:
-        """(engine calls, GPU s and host s per forward) of 9 tokens; each fake call takes 10 ms, a burst too."""
+    def measured(burst: int, others: int = 0) -> tuple[int, float, float]:
+        """(engine calls, GPU s and host s per forward) of 9 tokens; each fake call takes 10 ms, a burst too;
+        `others`: engine calls of 50 ms by someone else (prefill chunks, say) while the session steps."""
         engine = FakeEngine({"s": 9}, EngineConfig(decode_burst_steps=burst), step_seconds=0.01)
 
         async def consume(loop: StepLoop) -> None:
-            await read_all(loop, engine.sessions["s"], 0)
+            stepping = asyncio.ensure_future(read_all(loop, engine.sessions["s"], 0))
+            for _ in range(others):
+                await asyncio.sleep(0.015)
+                await loop.worker.call(time.sleep, 0.05)
+            assert not others or not stepping.done()  # NOTE: the other calls ran between the session's steps
+            await stepping
 
         metrics = run_loop(engine, None, consume)
         calls, gpu_s = histogram_count_and_sum(metrics.engine_gpu_seconds)
@@ -254,6 +261,8 @@ def test_each_engine_calls_gpu_time_and_the_hosts_share_of_its_steps_are_measure
     assert calls == 9 and 0.009 < gpu_s < 0.05 and 0 <= host_s < 0.05
     _, burst_gpu_s, _ = measured(4)
     assert burst_gpu_s < gpu_s / 2  # NOTE: the first step alone (10 ms), then bursts: 10 ms over 4 forwards
+    _, _, host_s = measured(1, others=3)
+    assert host_s < 0.01  # NOTE: the others' engine time is not the host's: 0.017 s a forward when it counts
 
 
 class OpeningDrafters(ChainDrafters):

@@ -608,6 +608,7 @@ def test_the_throughput_benchmark_runs_one_point_per_budget(tmp_path) -> None:
         assert min(row["full_window_tokens_per_s"]) > 0 and min(row["full_window_batch_ms"]) > 0
         assert min(row["full_window_gap_ms"]) > 0  # the loop's own work between engine steps
         assert row["gpu_and_host_overhead_ms"] == [[None, None], [None, None]]  # NOTE: no CUDA events on the CPU
+        assert row["full_window_gpu_and_host_overhead_ms"] == [[None, None], [None, None]]
     report = (tmp_path / "throughput.md").read_text()
     assert "| 2 | adaptive |" in report and "- 2 sessions, run 1: " in report
     assert "| 2 | 3 | 1 | " in report and "| 1.00 |" in report  # the summary: budget 3 is the best fixed one

@@ -67,8 +67,9 @@ class VerifierMetrics:
             "forward of the call (a decode burst runs several)", registry=r)
         self.step_host_overhead_seconds = Histogram(
             "ddtree_verifier_step_host_overhead_seconds", "Per forward of an engine call: its wall time from the end "
-            "of the call before it (while sessions step) less the GPU's time on it: what the host adds to a step "
-            "(the loop's work, draft rounds, the engine's launches and reads)", buckets=host_buckets, registry=r)
+            "of the call before it (while sessions step) less the GPU's time on it and the engine's time on other "
+            "calls in between (prefill chunks): what the host adds to a step (the loop's work, draft rounds, the "
+            "engine's launches and reads)", buckets=host_buckets, registry=r)
         self.kv_pages_used = Gauge("ddtree_verifier_kv_pages_used", "KV pages in use", registry=r)
         self.kv_pages_free = Gauge("ddtree_verifier_kv_pages_free", "KV pages free", registry=r)
         self.sessions = Gauge("ddtree_verifier_sessions", "Open sessions", registry=r)

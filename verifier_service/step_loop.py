@@ -140,6 +140,7 @@ class StepLoop:
         self.steppers: dict[str, Stepper] = {}  # in joining order: the longest-stepping first in a split pass
         self.wakeups = [asyncio.Event() for _ in range(cohorts)]
         self.busy_since: float | None = None  # when the latest engine step ended, while sessions were stepping
+        self.busy_mark = 0.0  # the worker's busy seconds then: what ran on the engine since is not the host's time
         self.streaming = False  # events went out and the loop has not had a turn since (their readers have work)
         self.deliveries = 0  # batches whose events went out
         self.last_call_seconds = 0.0  # the latest engine call's wall time
@@ -417,14 +418,19 @@ class StepLoop:
         beside the GPU, the step on the engine thread."""
         call: Callable = self.worker.call if self.streaming else self.worker.step_call
         step_started = time.perf_counter()
+        if self.busy_since is None:
+            self.busy_mark = self.worker.busy_seconds
         results, self.last_run_seconds = await call(_timed, fn, self.clock, *args)
         ended = time.perf_counter()
         if self.busy_since is not None:
             self.metrics.step_gap_seconds.observe(step_started - self.busy_since)
         if self.clock.enabled:  # NOTE: the call's wall time runs from the last one's end while sessions step
-            self.clocked.append((ended - (step_started if self.busy_since is None else self.busy_since), forwards))
+            others_s = max(0.0, self.worker.busy_seconds - self.busy_mark - self.last_run_seconds)
+            since = step_started if self.busy_since is None else self.busy_since
+            self.clocked.append((ended - since - others_s, forwards))
             self._observe_gpu()
         self.busy_since, self.last_call_seconds = ended, ended - step_started
+        self.busy_mark = self.worker.busy_seconds
         return results
 
     def _observe_gpu(self) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import functools
+import time
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -20,9 +20,10 @@ class EngineWorker:
         self.executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self.inline_steps = inline_steps
         self.last: concurrent.futures.Future | None = None  # NOTE: one thread, FIFO: when it is done, all are
+        self.busy_seconds = 0.0  # the engine's time on the calls ended so far, of every kind
 
     async def call(self, fn: Callable[..., T], *args, **kwargs) -> T:
-        self.last = self.executor.submit(functools.partial(fn, *args, **kwargs))
+        self.last = self.executor.submit(self._run, fn, *args, **kwargs)
         return await asyncio.wrap_future(self.last)
 
     async def step_call(self, fn: Callable[..., T], *args, **kwargs) -> T:
@@ -30,8 +31,17 @@ class EngineWorker:
         work is queued or running, run it right here: the hop to the thread and back would sit inside every
         step, and nothing else can use the engine meanwhile."""
         if self.inline_steps and (self.last is None or self.last.done()):
-            return fn(*args, **kwargs)
+            return self._run(fn, *args, **kwargs)
         return await self.call(fn, *args, **kwargs)
+
+    def _run(self, fn: Callable[..., T], *args, **kwargs) -> T:
+        """fn on the engine, its time counted in `busy_seconds` (a step's caller tells the engine work of others,
+        a prefill chunk say, from its own and from the host's in the time between two of its steps)."""
+        started = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self.busy_seconds += time.perf_counter() - started
 
     def shutdown(self) -> None:
         self.executor.shutdown(wait=True, cancel_futures=True)
