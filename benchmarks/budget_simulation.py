@@ -1,11 +1,12 @@
 """A batch of sessions stepping in lockstep against a synthetic engine, to judge budget policies by their outcome
 (tokens per second) rather than by the budgets they pick.
 
-The costs follow what the H200 runs of benchmarks/throughput.py measured (Qwen3-0.6B shape, 1k context): a step
-pays a fixed part, a part per session, more per session that verifies a tree (its host work), and a little per
-row; drafts overlap each other, and a pass that drafts at all waits for one draft round. Trees are what the n-gram
-drafter sends for periodic text: a chain the text may follow, then branches it never does (best-first, so a smaller
-budget's tree is a prefix).
+The costs follow what the H200 and H100 runs of benchmarks/throughput.py measured: a step pays a fixed part, a part
+per session, more per session that verifies a tree (its host work), and a little per row; drafts overlap each other,
+and a pass that drafts at all waits for one draft round and pays the loop's own work for it. Trees are what the
+n-gram drafter sends for periodic text: a chain the text may follow, then branches it never does (best-first, so a
+smaller budget's tree is a prefix); or, for text that does not repeat, a few candidates for the next token, mostly
+none, with one session in a few that repeats itself.
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ class Engine:
     round_per_draft: float = 0.0
     call_s: float = 0.0
     burst: int = 1  # plain steps per pass (verifier --decode-burst-steps)
+    drafting_pass_host_s: float = 0.0  # the step loop's own work in a pass that drafts (requests, replies, trees)
+    plain_host_s: float = 0.0  # the same per plain step of a burst
 
     def step_s(self, sessions: int, trees: int, rows: int) -> float:
         return self.fixed + self.per_session * sessions + self.per_tree * trees + self.per_row * rows
@@ -58,6 +61,12 @@ GPU_BOUND = Engine(per_tree=0.00005, per_row=0.00002)  # the engine step alone: 
 # 5.3 ms for 64), plain steps in bursts of 4
 ROUND_BOUND = Engine(fixed=0.0029, per_session=0.00008, per_tree=0.0, per_row=0.000023, round_s=0.0005,
                      round_per_draft=0.00007, call_s=0.0044, burst=4)
+# NOTE: the step loop on the H100, Qwen3-8B shape, 64 sessions at 1k (throughput_qwen3-8b.md, 2026-12-05, full
+# window): a plain forward 11.7 ms on the GPU and 0.7 ms of host work, ~23 us a tree row, a draft round ~6 ms for 64
+# n-gram drafts, the loop's own work ~4 ms in a pass that drafts (requests, replies, trees), plain steps in bursts of 4
+PASS_BOUND = Engine(fixed=0.0117, per_session=0.0, per_tree=0.0, per_row=0.000023, round_s=0.0005,
+                    round_per_draft=0.000083, call_s=0.0015, burst=4, drafting_pass_host_s=0.004,
+                    plain_host_s=0.0002)
 # NOTE: one or a few sessions at 128k, Qwen3-8B shape (e2e_step.md: a verify of 16 rows 9.7 ms, of 64 rows 17.5 ms, so
 # ~0.16 ms a row: the rows' attention over the long prefix), an n-gram draft round of ~0.65 ms
 LONG_CONTEXT = Engine(fixed=0.0072, per_session=0.0, per_tree=0.0, per_row=0.00016, round_s=0.0006,
@@ -72,6 +81,37 @@ class Workload:
     accept: int
     warmup: int = 0
     every: int = 1  # a draft accepts on one step in `every` only (acceptance ~1 + 1 / every for accept 1)
+    # NOTE: the drafter proposes single tokens, no chains (an n-gram trie on text that does not repeat: candidates
+    # for the next token only), and the one that matches on a lucky step is the k-th best, k cycling through RANKS
+    siblings: bool = False
+    found: int = 1  # the drafter proposes anything on one unlucky step in `found` only (an empty tree otherwise)
+    looping: int = 0  # one session in `looping` repeats itself instead (its drafts accept their whole chain)
+
+    @property
+    def trees(self) -> str:
+        """The table's words for its trees."""
+        kind = f"candidates, found on 1 step in {self.found}" if self.siblings else "chains"
+        return kind + (f"; 1 session in {self.looping} loops" if self.looping else "")
+
+    def of_session(self, session: int) -> Workload:
+        return Workload(CHAIN) if self.looping and session % self.looping == self.looping - 1 else self
+
+    def tree(self, budget: int, step: int, lucky: bool) -> DraftTree:
+        if not lucky and step % self.found:
+            return DraftTree.empty()
+        return DraftTree(tuple(range(budget)), (-1,) * budget, (1,) * budget) if self.siblings else draft(budget)
+
+    def path(self, tree: DraftTree, step: int, lucky: bool) -> list[int]:
+        """The nodes of `tree` accepted at a generation's step `step`."""
+        if step < self.warmup or not lucky:
+            return []
+        if self.siblings:
+            rank = RANKS[step % len(RANKS)]
+            return [rank] if rank < len(tree) else []
+        return list(range(min(self.accept, len(tree), CHAIN)))  # the chain's first nodes
+
+
+RANKS = (0, 2, 1, 5, 0, 9, 3, 1, 12, 0)
 
 
 def draft(budget: int) -> DraftTree:
@@ -114,28 +154,33 @@ def tokens_per_s(new_policy: Callable[[StepCosts], BudgetPolicy], sessions: int,
             budgets[i] = budget
         plain = engine.step_s(sessions, 0, sessions)
         if engine.burst > 1 and len(stepping) == sessions and not any(budgets):  # NOTE: one call, a burst
-            elapsed += engine.call_s + engine.burst * plain
+            elapsed += engine.call_s + engine.burst * (plain + engine.plain_host_s)
             costs.observe_batch(BatchShape(sessions, sessions), CONTEXT, engine.call_s / engine.burst + plain)
+            costs.observe_pass_host(False, engine.plain_host_s)
             for _ in range(engine.burst):
                 for i, policy in enumerate(policies):
                     policy.observe(0, None, [])
                     emit(i, 1)
             continue
-        trees = [draft(budget) for budget in budgets]
+        texts = [workload.of_session(i) for i in range(sessions)]
+        lucky = [(made[i] + i) % texts[i].every == 0 for i in range(sessions)]
+        trees = [texts[i].tree(budget, made[i], lucky[i]) if budget else DraftTree.empty()
+                 for i, budget in enumerate(budgets)]
         batch = BatchShape(sessions, sum(len(tree) + 1 for tree in trees))
         verify = engine.call_s + engine.step_s(sessions, sum(1 for tree in trees if len(tree)), batch.rows)
         round_s = engine.draft_round_s(sum(1 for budget in budgets if budget))
-        elapsed += verify + round_s
+        host_s = engine.drafting_pass_host_s if round_s else engine.plain_host_s
+        elapsed += verify + round_s + host_s
         costs.observe_batch(batch, CONTEXT, verify)
+        costs.observe_pass_host(bool(round_s), host_s)
         accepted_any = False
         for i, (policy, budget, tree) in enumerate(zip(policies, budgets, trees)):
             if budget:
                 costs.observe_draft(budget, CONTEXT, round_s)
-            lucky = (made[i] + i) % workload.every == 0
-            accepted = 0 if made[i] < workload.warmup or not lucky else min(workload.accept, budget, CHAIN)
-            accepted_any |= accepted > 0
-            policy.observe(budget, tree, list(range(accepted)))  # the chain's first nodes
-            emit(i, 1 + accepted)
+            path = texts[i].path(tree, made[i], lucky[i])
+            accepted_any |= bool(path)
+            policy.observe(budget, tree, path)
+            emit(i, 1 + len(path))
         if engine.burst > 1 and not accepted_any and not all(budgets):  # NOTE: the rest of the pass, one call
             elapsed += engine.call_s + (engine.burst - 1) * plain
             costs.observe_batch(BatchShape(sessions, sessions), CONTEXT, engine.call_s / (engine.burst - 1) + plain)
@@ -147,7 +192,10 @@ def tokens_per_s(new_policy: Callable[[StepCosts], BudgetPolicy], sessions: int,
 
 
 WORKLOADS = (Workload(13, 8), Workload(13), Workload(0), Workload(1), Workload(3), Workload(6), Workload(13, 40),
-             Workload(1, every=20), Workload(3, every=8))  # the last two: drafts that seldom pay (acceptance ~1.05)
+             Workload(1, every=20), Workload(3, every=8),  # drafts that seldom pay (acceptance ~1.05)
+             # NOTE: the next token's candidates, mostly none, the right one on one step in 33 (random weights, n-gram
+             # drafts), and the same with one session in 8 repeating itself
+             Workload(1, every=33, siblings=True, found=4), Workload(1, every=33, siblings=True, found=4, looping=8))
 FIXED = (0, 7, 15, 31, 63)
 
 
@@ -160,14 +208,15 @@ def main() -> None:
     args = parser.parse_args()
     rows = []
     engines = (("host-bound", HOST_BOUND, args.sessions), ("gpu-bound", GPU_BOUND, args.sessions),
-               ("round-bound", ROUND_BOUND, args.sessions), ("long-context", LONG_CONTEXT, [1, 4]))
+               ("round-bound", ROUND_BOUND, args.sessions), ("pass-bound", PASS_BOUND, args.sessions),
+               ("long-context", LONG_CONTEXT, [1, 4]))
     for name, engine, batch_sizes in engines:
         for workload in WORKLOADS:
             for sessions in batch_sizes:
                 fixed = {b: tokens_per_s(lambda _, b=b: FixedBudget(b), sessions, workload, engine) for b in FIXED}
                 adaptive = tokens_per_s(adaptive_sessions(), sessions, workload, engine)
                 rows.append({"engine": name, "accept": workload.accept, "warmup": workload.warmup,
-                             "every": workload.every,
+                             "every": workload.every, "trees": workload.trees,
                              "sessions": sessions, "fixed": fixed, "adaptive": adaptive,
                              "vs_best": adaptive / max(fixed.values())})
                 print(rows[-1], flush=True)
@@ -175,11 +224,11 @@ def main() -> None:
     (args.out_dir / "budget_simulation.json").write_text(json.dumps({"command": command, "rows": rows}, indent=1))
     lines = ["# The adaptive tree budget on simulated batches", "", f"Command: `{command}`", "",
              "Tokens per simulated second (`benchmarks/budget_simulation.py`: sessions stepping together, their "
-             "generations staggered, n-gram-like chains, step costs from the H200 runs); 'vs best' = adaptive / the "
-             "best of the fixed budgets (0 = plain).", "",
-             "| engine | accepts | after tokens | on one step in | sessions | "
-             + " | ".join(f"fixed {b}" for b in FIXED) + " | adaptive | vs best |", "|---" * (7 + len(FIXED)) + "|"]
-    lines += [f"| {r['engine']} | {r['accept']} | {r['warmup']} | {r['every']} | {r['sessions']} | "
+             "generations staggered, n-gram-like trees, step costs from the H200 and H100 runs); 'vs best' = "
+             "adaptive / the best of the fixed budgets (0 = plain).", "",
+             "| engine | trees | accepts | after tokens | on one step in | sessions | "
+             + " | ".join(f"fixed {b}" for b in FIXED) + " | adaptive | vs best |", "|---" * (8 + len(FIXED)) + "|"]
+    lines += [f"| {r['engine']} | {r['trees']} | {r['accept']} | {r['warmup']} | {r['every']} | {r['sessions']} | "
               + " | ".join(f"{r['fixed'][b]:.0f}" for b in FIXED) + f" | {r['adaptive']:.0f} | {r['vs_best']:.2f} |"
               for r in rows]
     (args.out_dir / "budget_simulation.md").write_text("\n".join(lines) + "\n")

@@ -150,9 +150,10 @@ def test_ngram_drafter_smoke_run_writes_its_table(tmp_path: Path) -> None:
 def test_budget_simulation_smoke_run_writes_its_table(tmp_path: Path) -> None:
     run_benchmark("budget_simulation.py", "--sessions", "1", "--out-dir", str(tmp_path))
     rows = json.loads((tmp_path / "budget_simulation.json").read_text())["rows"]
-    # NOTE: 9 texts on 3 batch engines at --sessions, and on the long-context one at 1 and 4 sessions
-    assert len(rows) == 3 * 9 + 2 * 9 and all(r["adaptive"] > 0 and r["vs_best"] > 0 for r in rows)
-    assert {r["every"] for r in rows} == {1, 8, 20}  # the texts whose drafts seldom pay
+    # NOTE: 11 texts on 4 batch engines at --sessions, and on the long-context one at 1 and 4 sessions
+    assert len(rows) == 4 * 11 + 2 * 11 and all(r["adaptive"] > 0 and r["vs_best"] > 0 for r in rows)
+    assert {r["every"] for r in rows} == {1, 8, 20, 33}  # the texts whose drafts seldom pay
+    assert sum(1 for r in rows if "loops" in r["trees"]) == 6
     assert {r["sessions"] for r in rows if r["engine"] == "long-context"} == {1, 4}
 
 

@@ -46,7 +46,8 @@ class BudgetPlanner:
     Sessions that do not draft (their records say their drafts fail) are probed together at a small budget, as
     often as keeps the probes under `probe_share` of the batch's time: a text that did not repeat may start to, and
     a probe that finds it lets the session climb (a path that runs into the edge of its tree tries the next size
-    up). Probing them together pays one draft round for all."""
+    up, which it has in the next pass that drafts at all, or once most of them ask). Probing them together pays one
+    draft round for all."""
 
     def __init__(self, costs: StepCosts, probe_share: float = 0.03):
         self.costs, self.probe_share = costs, probe_share
@@ -77,6 +78,11 @@ class BudgetPlanner:
                 budgets[i] = probe
             self.since_probe = 0
             self.vain_probes += 1
+        # NOTE: a step up asked for, in a pass that drafts anyway (its rows are all it costs) or when most ask (the
+        # text has started to repeat for most: their probes ran into their trees' edges)
+        if any(budgets) or sum(1 for i in free if offers[i].wanted) >= PAYING_SHARE * len(free):
+            for i in free:
+                budgets[i] = max(budgets[i], offers[i].wanted)
         return budgets
 
     def _probe_interval(self, pass_: _Pass, choice: np.ndarray, idle: list[int], probe: int) -> float:
