@@ -15,14 +15,17 @@ from collections.abc import AsyncIterator
 from dataclasses import replace
 
 import grpc
+import pytest
 import torch
 
+from drafter_service.dflash_drafter import DFlashDrafter
 from drafter_service.ngram_drafter import NgramDrafter
 from drafter_service.servicer import DrafterServicer, _message, _step_from_pb, _Stream, _TreeReply
 from modeling.speculation import DrafterSeed, DraftStep
 from modeling.tree import DraftTree
 from proto import common_pb2, drafter_pb2, drafter_pb2_grpc
 from proto.tensors import from_proto
+from tests.test_dflash import assert_same_tree, load
 from verifier_service.drafter_messages import close_request, open_request, step_request, tree_from_reply
 from verifier_service.drafter_pool import DrafterPool, FeatureWindow, ReplicaLink
 from verifier_service.metrics import VerifierMetrics
@@ -32,12 +35,18 @@ SCHEDULER = "draft-scheduler"
 
 
 class RecordingDrafter(NgramDrafter):
-    """The n-gram drafter, noting which task drafted which sessions together; `failing` sessions raise."""
+    """The n-gram drafter, noting which task drafted which sessions together and which mirrors it opened;
+    `failing` sessions raise."""
 
     def __init__(self, failing: tuple[str, ...] = ()):
         super().__init__()
         self.batches: list[tuple[str, list[str]]] = []
         self.failing = set(failing)
+        self.opens: list[str] = []
+
+    def open(self, session_id: str, seed: DrafterSeed) -> None:
+        self.opens.append(session_id)
+        super().open(session_id, seed)
 
     def draft(self, steps: list[DraftStep]):
         self.batches.append((asyncio.current_task().get_name(), [s.session_id for s in steps]))
@@ -316,9 +325,51 @@ def test_a_session_is_seeded_only_where_a_replica_has_room_for_its_mirror() -> N
             assert link.mirrors == {"a"} and not pool.is_open("b")
             assert await pool.draft(DraftStep("b", 0, [], None, 5, len(PROMPT), 8)) is None
             assert link.mirrors == {"a"} and servicer.open_ids <= {"a"}  # NOTE: no Open went out for b
-            pool.close_mirror("a")
+            pool.detach("a")
             tree = await pool.draft(DraftStep("b", 1, [], None, 5, len(PROMPT), 8))
             assert tree.tokens == reference_tree(PROMPT + [5]) and link.mirrors == {"b"}
+
+    asyncio.run(main())
+
+
+def test_a_parked_mirror_takes_the_next_turn_without_a_seed() -> None:
+    """A session's mirror stays open between its turns: the next turn's first draft carries the tokens the mirror
+    has not seen (the last turn's tail, which no draft carried, and the new prompt) in front of its own, no Open
+    goes out, and its tree is the one a fresh seed would give."""
+    async def main() -> None:
+        drafter = RecordingDrafter()
+        async with connected_pool(DrafterServicer(drafter, "r0")) as (pool, _):
+            tokens = list(PROMPT)
+            pool.attach("s", lambda: tokens, None)
+            first = await pool.draft(DraftStep("s", 0, [], None, 5, len(tokens), 8))
+            assert first.tokens == reference_tree(tokens + [5])
+            tokens += [5, 6, 7]  # NOTE: the root and two tokens more, stepped without drafts; the turn ends
+            pool.park("s")
+            tokens += [8, 5, 6]  # the next turn's prompt, prefilled
+            tree = await pool.draft(DraftStep("s", 0, [], None, 7, len(tokens), 8))
+            assert tree.tokens == reference_tree(tokens + [7]) and len(tree.tokens) > 0
+            assert drafter.opens == ["s"] and pool.metrics.mirror_resumes._value.get() == 1
+
+    asyncio.run(main())
+
+
+def test_a_full_replica_closes_the_mirror_parked_longest_for_a_new_session() -> None:
+    """Parked mirrors hold a replica's slots while their sessions are between turns: a session that needs one on a
+    full replica takes the slot of the mirror parked longest, whose next turn seeds again."""
+    async def main() -> None:
+        drafter = RecordingDrafter()
+        async with connected_pool(DrafterServicer(drafter, "r0")) as (pool, link):
+            link.info.max_sessions = 2
+            for session_id in ("a", "b"):
+                pool.attach(session_id, lambda: PROMPT, None)
+                assert await pool.draft(DraftStep(session_id, 0, [], None, 5, len(PROMPT), 8)) is not None
+                pool.park(session_id)
+            pool.attach("c", lambda: PROMPT, None)
+            assert await pool.draft(DraftStep("c", 0, [], None, 5, len(PROMPT), 8)) is not None
+            assert link.mirrors == {"b", "c"} and pool.metrics.mirror_evictions._value.get() == 1
+            tree = await pool.draft(DraftStep("a", 1, [], None, 5, len(PROMPT), 8))  # its next turn
+            assert tree.tokens == reference_tree(PROMPT + [5]) and link.mirrors == {"a", "c"}
+            assert drafter.opens == ["a", "b", "c", "a"]
 
     asyncio.run(main())
 
@@ -519,3 +570,37 @@ def test_a_feature_window_keeps_the_latest_rows_without_joining_at_every_step() 
     assert torch.equal(unbounded.latest(None), everything) and len(unbounded.chunks) == 1
     window.add(torch.ones(1, 2, dtype=torch.float64), 4)  # NOTE: rows join in the first rows' dtype
     assert window.latest(4).dtype == torch.float32 and torch.equal(window.latest(4)[-1], torch.ones(2))
+
+
+@pytest.mark.parametrize(("prompt", "opens"), [(6, ["s", "fresh"]), (16, ["s", "s", "fresh"])])
+def test_a_resumed_dflash_mirror_drafts_what_a_fresh_seed_does(prompt, opens, tmp_path, tiny_target) -> None:
+    """The catch-up's features are the feature window's latest rows, aligned with the session's tokens: the resumed
+    mirror (W = 12) drafts the tree a mirror seeded afresh from the same tokens does. A prompt longer than the
+    window holds re-seeds instead."""
+    model = load(tmp_path, tiny_target, {})
+    feature_dim = model.config.feature_dim
+    features = torch.randn(60, feature_dim, generator=torch.Generator().manual_seed(3))
+    tokens = [int(t) for t in torch.randint(3, 200, (60,), generator=torch.Generator().manual_seed(4))]
+
+    async def main() -> None:
+        drafter = DFlashDrafter(model, 12, max_budget=24, max_sessions=4)
+        recorded = []
+        opened = drafter.open
+        drafter.open = lambda session_id, seed: recorded.append(session_id) or opened(session_id, seed)
+        async with connected_pool(DrafterServicer(drafter, "r0")) as (pool, _):
+            shown = tokens[:20]
+            pool.attach("s", lambda: shown, features[:20])
+            await pool.draft(DraftStep("s", 0, [], None, tokens[20], 20, 8))
+            shown += tokens[20:23]  # NOTE: the root and two more, stepped without drafts; the turn ends
+            pool.add_features("s", features[20:23])
+            pool.park("s")
+            end = 23 + prompt
+            shown += tokens[23:end]  # the next turn's prompt and its prefill's features
+            pool.add_features("s", features[23:end])
+            resumed = await pool.draft(DraftStep("s", 0, [], None, tokens[end], end, 8))
+            pool.attach("fresh", lambda: tokens[:end], features[:end])
+            fresh = await pool.draft(DraftStep("fresh", 0, [], None, tokens[end], end, 8))
+            assert_same_tree(resumed, fresh)
+            assert recorded == opens
+
+    asyncio.run(main())

@@ -66,10 +66,13 @@ def test_greedy_through_the_gateway_equals_offline(stack, reference) -> None:
 
 
 def test_three_turns_equal_one_generation_over_the_concatenation(stack, reference) -> None:
+    """Exact at every turn; the session's drafter mirror stays open between its turns (each later turn's first
+    draft carries the tokens since, not a seed)."""
     c = client(stack)
     turns = ["first turn. ", "second turn! ", "third?"]
     history: list[int] = []
     handle = ""
+    resumes = verifier_metric(stack, "ddtree_verifier_mirror_resumes")
     for turn in turns:
         generation = c.generate(turn, session=handle or None, keep_session=True, max_new_tokens=MAX_NEW)
         generation.result()
@@ -78,6 +81,7 @@ def test_three_turns_equal_one_generation_over_the_concatenation(stack, referenc
         assert generation.token_ids == reference(history)
         history += generation.token_ids
     c.release_session(handle)
+    assert verifier_metric(stack, "ddtree_verifier_mirror_resumes") == resumes + 2
 
 
 def prefill_progress(events: list) -> list[tuple[int, int]]:

@@ -12,7 +12,7 @@ import logging
 import socket
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TypeVar
 
 import grpc
@@ -296,6 +296,12 @@ class SessionDraftState:
     features: FeatureWindow
     link: ReplicaLink | None = None
     opening: float | None = None  # when its Open went to `link`, until the replica acknowledged it
+    synced: int = 0  # the committed positions its mirror holds, as of the last request sent to `link`
+    parked: float | None = None  # when its last generation ended with its mirror open, until it drafts again
+    # NOTE: a generation numbers its steps from 0, a mirror refuses a step number it has seen: a mirror kept from
+    # the last turn takes this turn's numbers past the last one it got
+    step_offset: int = 0
+    last_step: int = -1  # the step number of the last request sent
 
 
 @dataclass
@@ -455,16 +461,19 @@ class DrafterPool:
         if state is not None and not self.is_open(session_id):
             self._seed(session_id, state, ahead=True)
 
-    def close_mirror(self, session_id: str) -> None:
-        """End of a generation: free the replica's mirror; the next generation re-opens it."""
+    def park(self, session_id: str) -> None:
+        """End of a generation of a session that stays: its mirror stays open, so the next turn's first draft
+        carries the tokens since (its prompt, the features its prefill computed) rather than a seed of the W latest
+        tokens' features (42 MB for a Qwen3-8B-shaped DFlash drafter); a replica that runs out of room closes the
+        mirrors parked longest first."""
         state = self.sessions.get(session_id)
         if state is not None and state.link is not None:
-            self._forget_mirror(state.link, session_id)
-            state.link, state.opening = None, None
+            state.parked, state.step_offset = time.perf_counter(), state.last_step + 1
 
     def detach(self, session_id: str) -> None:
-        self.close_mirror(session_id)
-        self.sessions.pop(session_id, None)
+        state = self.sessions.pop(session_id, None)
+        if state is not None and state.link is not None:
+            self._forget_mirror(state.link, session_id)
 
     def _seed(self, session_id: str, state: SessionDraftState, ahead: bool = False) -> bool:
         """Open the session's mirror on a replica with room for it; none has: False, the session steps without drafts
@@ -472,6 +481,9 @@ class DrafterPool:
         its drafts, a replica that acknowledges Opens is asked to, and the session is `opening` until it does;
         otherwise the seed goes in front of a step."""
         links = [link for link in self.usable_links() if link.has_room(session_id)]
+        evicted = None if links else self._evict_parked()
+        if evicted is not None:
+            links = [evicted]
         if not links:
             return False
         old, link = state.link, links[next(self.round_robin) % len(links)]
@@ -486,10 +498,41 @@ class DrafterPool:
             self._stalled(link)
             return False
         state.link, state.opening = link, time.perf_counter() if acknowledge else None
+        state.synced, state.parked = seed.start_position + len(seed.tokens), None
         link.mirrors.add(session_id)
-        if old is not None:
+        if old is not None and old is not link:
             self.metrics.reseeds.inc()
         return True
+
+    def _evict_parked(self) -> ReplicaLink | None:
+        """Close the mirror parked longest on a usable replica to make room there (its session is between turns;
+        its next turn seeds again); that replica, or None where none is parked."""
+        parked = [(state.parked, session_id) for session_id, state in self.sessions.items()
+                  if state.parked is not None and state.link is not None and state.link.usable()]
+        if not parked:
+            return None
+        state = self.sessions[min(parked)[1]]
+        link = state.link
+        self._forget_mirror(link, min(parked)[1])
+        state.link = state.parked = None
+        self.metrics.mirror_evictions.inc()
+        return link
+
+    def _caught_up(self, state: SessionDraftState, step: DraftStep) -> DraftStep | None:
+        """The step with the tokens its mirror has not seen in front of its own (a parked mirror: the last turn's
+        tail and this turn's prompt), their features the window's latest rows; None where the window no longer
+        holds them all (a prompt longer than it, which a seed covers as cheaply) or the tokens disagree."""
+        tokens = state.tokens()
+        missing = tokens[state.synced:]
+        if tokens[step.position:] != step.committed:
+            return None
+        features = None
+        if self.info is not None and self.info.feature_dim:
+            rows = state.features.latest(self.window)
+            if rows is None or rows.shape[0] < len(missing):
+                return None
+            features = rows[rows.shape[0] - len(missing):]
+        return replace(step, committed=missing, features=features, position=state.synced)
 
     def _trees_from(self, replica_id: str) -> Counter:
         counter = self.tree_counters.get(replica_id)
@@ -525,13 +568,23 @@ class DrafterPool:
         session_id = step.session_id
         self.add_features(session_id, step.features)
         state = self.sessions[session_id]
-        if state.link is None or not state.link.usable():
-            if not self._seed(session_id, state):
-                return None
+        caught_up = None
+        if state.link is not None and state.link.usable():
+            caught_up = step if step.position <= state.synced else self._caught_up(state, step)
+            if caught_up is not None and caught_up is not step and state.parked is not None:
+                self.metrics.mirror_resumes.inc()
+        if caught_up is not None:
+            step = caught_up
+        elif self._seed(session_id, state):
             step = step.after_seed()
-        link = state.link
+        else:
+            return None
+        link, state.parked = state.link, None
+        if state.step_offset:
+            step = replace(step, step=step.step + state.step_offset)
         try:
             index = link.request(session_id, step.step, step_request(step), waiting)
+            state.synced, state.last_step = step.position + len(step.committed), step.step
             return _Asked(state, link, session_id, step.step, index)
         except asyncio.QueueFull:
             self._stalled(link)  # NOTE: the link stays recorded, so the next step re-seeds and counts it

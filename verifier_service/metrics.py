@@ -32,6 +32,12 @@ class VerifierMetrics:
                                       "answering in time (steps then run without it until it answers)", registry=r)
         self.reseeds = Counter("ddtree_verifier_reseeds", "Sessions re-seeded on another drafter replica",
                                registry=r)
+        self.mirror_resumes = Counter("ddtree_verifier_mirror_resumes", "Generations whose drafter mirror stayed open "
+                                      "from the session's last turn: their first draft carried the tokens since "
+                                      "instead of a seed", registry=r)
+        self.mirror_evictions = Counter("ddtree_verifier_mirror_evictions", "Mirrors of sessions between turns "
+                                        "closed to make room on a full drafter replica (their next turn seeds "
+                                        "again)", registry=r)
         self.step_seconds = Histogram("ddtree_verifier_step_seconds", "Engine step latency", registry=r)
         self.batch_sessions = Histogram("ddtree_verifier_batch_sessions", "Sessions per engine verify step",
                                         buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256), registry=r)

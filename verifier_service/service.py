@@ -339,6 +339,6 @@ class VerifierService:
             self.generating.discard(session_id)
             self.leases.grant(session_id)  # NOTE: the lease restarts when the generation lets go of it
             if self.drafters is not None:
-                self.drafters.close_mirror(session_id)
+                self.drafters.park(session_id)  # NOTE: a released session's mirror closes with it
             if self.down_reason is None:
                 await (self._end_generation(session_id) if keep_session else self._release(session_id))
