@@ -576,7 +576,7 @@ def test_a_feature_window_keeps_the_latest_rows_without_joining_at_every_step() 
 def test_a_resumed_dflash_mirror_drafts_what_a_fresh_seed_does(prompt, opens, tmp_path, tiny_target) -> None:
     """The catch-up's features are the feature window's latest rows, aligned with the session's tokens: the resumed
     mirror (W = 12) drafts the tree a mirror seeded afresh from the same tokens does. A prompt longer than the
-    window holds re-seeds instead."""
+    window holds re-seeds instead, ahead of the turn's drafts."""
     model = load(tmp_path, tiny_target, {})
     feature_dim = model.config.feature_dim
     features = torch.randn(60, feature_dim, generator=torch.Generator().manual_seed(3))
@@ -597,6 +597,10 @@ def test_a_resumed_dflash_mirror_drafts_what_a_fresh_seed_does(prompt, opens, tm
             end = 23 + prompt
             shown += tokens[23:end]  # the next turn's prompt and its prefill's features
             pool.add_features("s", features[23:end])
+            pool.open_soon("s")  # NOTE: as the turn starts: a seed that will be needed goes ahead of the drafts
+            for _ in range(50):
+                await asyncio.sleep(0.01)
+            assert recorded == opens[:-1]
             resumed = await pool.draft(DraftStep("s", 0, [], None, tokens[end], end, 8))
             pool.attach("fresh", lambda: tokens[:end], features[:end])
             fresh = await pool.draft(DraftStep("fresh", 0, [], None, tokens[end], end, 8))
