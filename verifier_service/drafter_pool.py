@@ -487,7 +487,8 @@ class DrafterPool:
             links = [evicted]
         if not links:
             return False
-        old, link = state.link, links[next(self.round_robin) % len(links)]
+        old = state.link
+        link = old if old in links else links[next(self.round_robin) % len(links)]  # NOTE: an Open replaces a mirror
         if old is not None and old is not link:
             self._forget_mirror(old, session_id)
         uses_features = bool(self.info and self.info.feature_dim)
@@ -512,9 +513,10 @@ class DrafterPool:
                   if state.parked is not None and state.link is not None and state.link.usable()]
         if not parked:
             return None
-        state = self.sessions[min(parked)[1]]
+        _, session_id = min(parked)
+        state = self.sessions[session_id]
         link = state.link
-        self._forget_mirror(link, min(parked)[1])
+        self._forget_mirror(link, session_id)
         state.link = state.parked = None
         self.metrics.mirror_evictions.inc()
         return link
