@@ -90,3 +90,15 @@ def test_context_sizes_take_k_suffixes() -> None:
         sys.path.remove(str(ROOT / "benchmarks"))
     assert [context_tokens(text) for text in ("32k", "128K", "185k", "512")] == [32768, 131072, 189440, 512]
     assert [context_label(tokens) for tokens in (32768, 189440, 512)] == ["32k", "185k", "512"]
+
+
+def test_chat_turns_resume_each_sessions_mirror_after_the_first_turn(tmp_path: Path) -> None:
+    """benchmarks/chat_turns.py's CPU smoke run: two sessions of three turns with the tiny DFlash drafter; the first
+    turn seeds both mirrors, the later ones resume them."""
+    run_benchmark("chat_turns.py", "--shape", "tiny", "--context", "300", "--turns", "3", "--sessions", "2",
+                  "--max-new-tokens", "16", "--turn-tokens", "40", "--out-dir", str(tmp_path))
+    result = json.loads((tmp_path / "chat_turns_tiny.json").read_text())
+    assert [(r["turn"], r["seeds"], r["mirror_resumes"]) for r in result["rows"]] == [(1, 2, 0), (2, 0, 2), (3, 0, 2)]
+    assert [r["prompt_tokens"] for r in result["rows"]] == [300, 40, 40]
+    assert all(r["decode_tokens_per_s"] > 0 and r["ttft_ms"] > 0 and r["draft_misses"] == 0 for r in result["rows"])
+    assert "| 2 | 40 |" in (tmp_path / "chat_turns_tiny.md").read_text()
