@@ -31,15 +31,15 @@ from long_context import (
     context_label,
     context_tokens,
     device_name,
+    generate,
     kv_budget_mb,
     verifier_counters,
 )
 from throughput import prompts
 
-from ddtree.bench import RequestRecord, summarize
+from ddtree.bench import summarize
 from ddtree.client import AsyncClient
 from ddtree.local_stack import LocalStack, free_port
-from proto import gateway_pb2
 
 # NOTE: a user's turn: a question about the document, as many characters (tokens of the byte-level tokenizer) as asked
 TURN_TEXT = "\n\nUser: and what does the passage above say next, in the same words? Assistant: "
@@ -47,23 +47,6 @@ TURN_TEXT = "\n\nUser: and what does the passage above say next, in the same wor
 
 def turn_text(tokens: int) -> str:
     return (TURN_TEXT * (tokens // len(TURN_TEXT) + 1))[:tokens]
-
-
-async def take_turn(client: AsyncClient, text: str, session: str | None, keep: bool,
-                    max_new_tokens: int) -> tuple[Stream, str]:
-    """One turn of one session; its stream and the session's handle."""
-    stream = Stream(RequestRecord(sent_at=time.perf_counter()))
-    generation = client.generate(text, session=session, keep_session=keep, max_new_tokens=max_new_tokens,
-                                 ignore_eos=True)
-    async for event in generation.events():
-        if isinstance(event, gateway_pb2.GenerateChunk):
-            stream.record.add_chunk(len(event.token_ids), time.perf_counter())
-        else:
-            stream.prefill_messages += 1
-    stream.record.finish(time.perf_counter())
-    stream.record.input_tokens = generation.summary.prompt_tokens
-    stream.record.acceptance_lengths = generation.acceptance_lengths
-    return stream, generation.summary.session
 
 
 def turn_row(turn: int, streams: list[Stream], duration_s: float, before: dict[str, float],
@@ -97,12 +80,12 @@ async def chat(gateway: str, documents: list[str], turns: int, turn_tokens: int,
         for turn in range(1, turns + 1):
             texts = documents if turn == 1 else [turn_text(turn_tokens)] * len(documents)
             before, started = verifier_counters(metrics_port), time.perf_counter()
-            results = await asyncio.gather(*(take_turn(client, text, handle, turn < turns, max_new_tokens)
+            streams = await asyncio.gather(*(generate(client, text, max_new_tokens, session=handle,
+                                                      keep_session=turn < turns)
                                              for text, handle in zip(texts, handles)))
             duration_s = time.perf_counter() - started
-            handles = [handle for _, handle in results]
-            rows.append(turn_row(turn, [stream for stream, _ in results], duration_s, before,
-                                 verifier_counters(metrics_port)))
+            handles = [stream.session for stream in streams]
+            rows.append(turn_row(turn, list(streams), duration_s, before, verifier_counters(metrics_port)))
             print(json.dumps(rows[-1]), flush=True)
         return rows
     finally:

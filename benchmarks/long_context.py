@@ -155,11 +155,14 @@ class Stream:
     """One session's Generate stream: its timeline and the PrefillProgress messages before its first token."""
     record: RequestRecord
     prefill_messages: int = 0
+    session: str = ""  # the session's handle (kept with `keep_session`)
 
 
-async def generate(client: AsyncClient, text: str, max_new_tokens: int, tree_budget: int) -> Stream:
+async def generate(client: AsyncClient, text: str, max_new_tokens: int, tree_budget: int = 0,
+                   session: str | None = None, keep_session: bool = False) -> Stream:
     stream = Stream(RequestRecord(sent_at=time.perf_counter()))
-    generation = client.generate(text, max_new_tokens=max_new_tokens, ignore_eos=True, tree_budget=tree_budget)
+    generation = client.generate(text, max_new_tokens=max_new_tokens, ignore_eos=True, tree_budget=tree_budget,
+                                 session=session, keep_session=keep_session)
     async for event in generation.events():
         if isinstance(event, gateway_pb2.GenerateChunk):
             # NOTE: the first chunk is the first token (TTFT); later gaps are one step each
@@ -169,6 +172,7 @@ async def generate(client: AsyncClient, text: str, max_new_tokens: int, tree_bud
     stream.record.finish(time.perf_counter())
     stream.record.input_tokens = generation.summary.prompt_tokens
     stream.record.acceptance_lengths = generation.acceptance_lengths
+    stream.session = generation.summary.session
     return stream
 
 
