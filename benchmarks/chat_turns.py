@@ -40,7 +40,6 @@ from throughput import prompts
 from ddtree.bench import summarize
 from ddtree.client import AsyncClient
 from ddtree.local_stack import LocalStack, free_port
-from ddtree.readiness import wait_ready
 
 # NOTE: a user's turn: a question about the document, as many characters (tokens of the byte-level tokenizer) as asked
 TURN_TEXT = "\n\nUser: and what does the passage above say next, in the same words? Assistant: "
@@ -146,8 +145,6 @@ def main() -> None:
                        verifier_args=verifier_args, gateway_args=("--max-sessions-per-key", str(args.sessions)))
     stack.start(timeout_s=args.start_timeout_s)
     try:
-        for problem in wait_ready(stack.addresses, within_s=30).problems:  # NOTE: drafters connect a moment later
-            print(f"not ready: {problem}", flush=True)
         documents = [text[:args.context] for text in prompts(args.sessions, args.context)]
         rows = asyncio.run(chat(stack.addresses["gateway"], documents, args.turns, args.turn_tokens,
                                 args.max_new_tokens, metrics_port))

@@ -20,6 +20,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ddtree.progress import Progress
+from ddtree.readiness import wait_ready
 from proto.serving import BindError, check_bindable
 
 # NOTE: the suffix changes with the tiny model's files (2: a chat template), so an older cache is not reused.
@@ -216,6 +217,9 @@ class LocalStack:
                 for name, address in self.addresses.items():
                     self._wait_healthy(name, address, timeout_s, progress)
                     progress.advance()
+            # NOTE: the verifier connects its drafters, and the gateway its verifier, a moment after they serve (the
+            # verifier decodes plainly meanwhile); what is still missing after that, `readiness.check` tells
+            wait_ready(self.addresses, within_s=min(timeout_s, 10.0))
         except BaseException:
             self.stop()
             raise
