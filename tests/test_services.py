@@ -36,6 +36,7 @@ def stack(tiny_target, tmp_path_factory):
                        log_dir=tmp_path_factory.mktemp("logs"))
     stack.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
     with stack:
+        assert verifier_info(stack).drafters_connected == 2  # NOTE: the stack starts once they are (LocalStack.start)
         yield stack
 
 
