@@ -459,7 +459,8 @@ class DrafterPool:
         mirror is open and can take the tokens since (`_caught_up`); with no usable replica its first draft tries
         again."""
         state = self.sessions.get(session_id)
-        if state is not None and not (self.is_open(session_id) and self._resumable(state)):
+        if state is not None and not (self.is_open(session_id)
+                                      and self._resumable(state, len(state.tokens()) - state.synced)):
             self._seed(session_id, state, ahead=True)
 
     def park(self, session_id: str) -> None:
@@ -527,7 +528,7 @@ class DrafterPool:
         holds them all (a prompt longer than it, which a seed covers as cheaply) or the tokens disagree."""
         tokens = state.tokens()
         missing = tokens[state.synced:]
-        if tokens[step.position:] != step.committed or not self._resumable(state):
+        if tokens[step.position:] != step.committed or not self._resumable(state, len(missing)):
             return None
         features = None
         if self.info is not None and self.info.feature_dim:
@@ -535,12 +536,12 @@ class DrafterPool:
             features = rows[rows.shape[0] - len(missing):]
         return replace(step, committed=missing, features=features, position=state.synced)
 
-    def _resumable(self, state: SessionDraftState) -> bool:
-        """Whether the session's feature window holds the features of every token its mirror has not seen."""
+    def _resumable(self, state: SessionDraftState, missing: int) -> bool:
+        """Whether the session's feature window holds the features of the `missing` tokens its mirror has not
+        seen."""
         if self.info is None or not self.info.feature_dim:
             return True
-        held = min(state.features.rows, self.window or state.features.rows)
-        return held >= len(state.tokens()) - state.synced
+        return min(state.features.rows, self.window or state.features.rows) >= missing
 
     def _trees_from(self, replica_id: str) -> Counter:
         counter = self.tree_counters.get(replica_id)
