@@ -12,6 +12,7 @@ from typing import Any
 _EXPORTS = {
     "SplitConfig": "ddtree_kernels.split_kv",
     "commit_kv": "ddtree_kernels.commit_kv",
+    "draft_block_attention": "ddtree_kernels.draft_attention",
     "hybrid_verify_attention": "ddtree_kernels.verify_attention",
     "latent_verify_attention": "ddtree_kernels.latent_verify",
 }

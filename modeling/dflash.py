@@ -150,10 +150,34 @@ def visible_keys(query_pos: torch.Tensor, key_pos: torch.Tensor, context_start: 
     return visible
 
 
+def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context: LayerContext, slots: torch.Tensor,
+                    block_pos: torch.Tensor, context_start: torch.Tensor, window: int | None,
+                    causal: bool) -> torch.Tensor:
+    """The draft block's attention in torch (the CPU path, and the oracle of ddtree_kernels.draft_attention):
+    each session's block queries attend to its slot's context K/V and to its own block.
+    q: [S * B, Hq, D]; k, v: [S * B, Hkv, D]; slots, context_start: [S]; block_pos: [S, B] -> [S * B, Hq, D]."""
+    sessions, block = block_pos.shape
+    heads, kv_heads, dim = q.shape[1], k.shape[1], q.shape[2]
+    group = heads // kv_heads
+    keys, values = context.keys[slots], context.values[slots]  # [S, C + B, Hkv, D] copies
+    keys[:, context.capacity:] = k.view(sessions, block, kv_heads, dim)
+    values[:, context.capacity:] = v.view(sessions, block, kv_heads, dim)
+    key_pos = torch.cat([context.positions[slots], block_pos], dim=1)  # [S, C + B]
+    visible = visible_keys(block_pos, key_pos, context_start, window, causal)  # [S, B, C + B]
+    # NOTE: the query heads sharing a KV head are stacked along the query axis (row g * B + b), so every
+    # SDPA backend reads each K/V head once and none needs GQA support.
+    queries = q.view(sessions, block, kv_heads, group, dim).permute(0, 2, 3, 1, 4)  # [S, Hkv, G, B, D]
+    out = F.scaled_dot_product_attention(
+        queries.reshape(sessions, kv_heads, group * block, dim), keys.transpose(1, 2), values.transpose(1, 2),
+        attn_mask=visible.repeat(1, group, 1)[:, None])  # [S, Hkv, G * B, D]
+    return out.view(sessions, kv_heads, group, block, dim).permute(0, 3, 1, 2, 4).reshape(q.shape)
+
+
 class _BlockAttention:
     """The LayerAttention of one batched draft: each session's block queries attend to its slot's context K/V
     and to its own block; the block's K/V are used once and dropped. Every shape comes from the batch size
-    and the layer's capacity alone, so the draft can be captured in a CUDA graph."""
+    and the layer's capacity alone, so the draft can be captured in a CUDA graph. On CUDA one Triton launch
+    (ddtree_kernels.draft_attention) reads the slot buffers in place; elsewhere `block_attention` gathers them."""
 
     def __init__(self, config: DFlashConfig, contexts: Sequence[LayerContext], slots: torch.Tensor,
                  block_pos: torch.Tensor, context_start: torch.Tensor):
@@ -161,27 +185,19 @@ class _BlockAttention:
         self.block_pos, self.context_start = block_pos, context_start
 
     def kv_buffers(self, layer: int, num_tokens: int) -> None:
-        return None  # the block's K/V go into a per-call gather of the context (below)
+        return None  # the kernel reads the block's K/V where the projection leaves them; the torch path copies
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q: [S * B, Hq, D]; k, v: [S * B, Hkv, D] -> [S * B, Hq, D]
-        sessions, block = self.block_pos.shape
-        heads, kv_heads, dim = q.shape[1], k.shape[1], q.shape[2]
-        group = heads // kv_heads
         context = self.contexts[layer]
-        keys, values = context.keys[self.slots], context.values[self.slots]  # [S, C + B, Hkv, D] copies
-        keys[:, context.capacity:] = k.view(sessions, block, kv_heads, dim)
-        values[:, context.capacity:] = v.view(sessions, block, kv_heads, dim)
-        key_pos = torch.cat([context.positions[self.slots], self.block_pos], dim=1)  # [S, C + B]
-        visible = visible_keys(self.block_pos, key_pos, self.context_start, self.config.layer_window(layer),
-                               self.config.layer_causal(layer))  # [S, B, C + B]
-        # NOTE: the query heads sharing a KV head are stacked along the query axis (row g * B + b), so every
-        # SDPA backend reads each K/V head once and none needs GQA support.
-        queries = q.view(sessions, block, kv_heads, group, dim).permute(0, 2, 3, 1, 4)  # [S, Hkv, G, B, D]
-        out = F.scaled_dot_product_attention(
-            queries.reshape(sessions, kv_heads, group * block, dim), keys.transpose(1, 2), values.transpose(1, 2),
-            attn_mask=visible.repeat(1, group, 1)[:, None])  # [S, Hkv, G * B, D]
-        return out.view(sessions, kv_heads, group, block, dim).permute(0, 3, 1, 2, 4).reshape(q.shape)
+        window, causal = self.config.layer_window(layer), self.config.layer_causal(layer)
+        if not q.is_cuda:
+            return block_attention(q, k, v, context, self.slots, self.block_pos, self.context_start, window, causal)
+        # NOTE: imported here: Triton reads TRITON_INTERPRET at its first import, and CPU machines never need it
+        from ddtree_kernels.draft_attention import draft_block_attention
+
+        return draft_block_attention(q, k, v, context.keys, context.values, context.positions, self.slots,
+                                     self.block_pos, self.context_start, window, causal)
 
 
 class DFlashModel(nn.Module):
