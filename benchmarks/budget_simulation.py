@@ -67,6 +67,12 @@ ROUND_BOUND = Engine(fixed=0.0029, per_session=0.00008, per_tree=0.0, per_row=0.
 PASS_BOUND = Engine(fixed=0.0117, per_session=0.0, per_tree=0.0, per_row=0.000023, round_s=0.0005,
                     round_per_draft=0.000083, call_s=0.0015, burst=4, drafting_pass_host_s=0.004,
                     plain_host_s=0.0002)
+# NOTE: the same on the H100 for the Qwen3-0.6B shape (throughput_acceptance1_h100.md): a plain forward ~5 ms on the
+# GPU and ~0.5 ms of host work, ~6 us a tree row, a draft round of ~4 ms for 64 n-gram drafts, the loop's own work
+# ~2.3 ms in a pass that drafts: drafting costs a small model's batch more than its trees' rows
+PASS_BOUND_SMALL = Engine(fixed=0.005, per_session=0.0, per_tree=0.0, per_row=0.000006, round_s=0.0005,
+                          round_per_draft=0.00006, call_s=0.0008, burst=4, drafting_pass_host_s=0.0023,
+                          plain_host_s=0.0005)
 # NOTE: one or a few sessions at 128k, Qwen3-8B shape (e2e_step.md: a verify of 16 rows 9.7 ms, of 64 rows 17.5 ms, so
 # ~0.16 ms a row: the rows' attention over the long prefix), an n-gram draft round of ~0.65 ms
 LONG_CONTEXT = Engine(fixed=0.0072, per_session=0.0, per_tree=0.0, per_row=0.00016, round_s=0.0006,
@@ -194,8 +200,9 @@ def tokens_per_s(new_policy: Callable[[StepCosts], BudgetPolicy], sessions: int,
 WORKLOADS = (Workload(13, 8), Workload(13), Workload(0), Workload(1), Workload(3), Workload(6), Workload(13, 40),
              Workload(1, every=20), Workload(3, every=8),  # drafts that seldom pay (acceptance ~1.05)
              # NOTE: the next token's candidates, mostly none, the right one on one step in 33 (random weights, n-gram
-             # drafts), and the same with one session in 8 repeating itself
-             Workload(1, every=33, siblings=True, found=4), Workload(1, every=33, siblings=True, found=4, looping=8))
+             # drafts), and the same with one session in 8 (or 16) repeating itself
+             Workload(1, every=33, siblings=True, found=4), Workload(1, every=33, siblings=True, found=4, looping=8),
+             Workload(1, every=33, siblings=True, found=4, looping=16))
 FIXED = (0, 7, 15, 31, 63)
 
 
@@ -209,6 +216,7 @@ def main() -> None:
     rows = []
     engines = (("host-bound", HOST_BOUND, args.sessions), ("gpu-bound", GPU_BOUND, args.sessions),
                ("round-bound", ROUND_BOUND, args.sessions), ("pass-bound", PASS_BOUND, args.sessions),
+               ("pass-bound 0.6B", PASS_BOUND_SMALL, args.sessions),
                ("long-context", LONG_CONTEXT, [1, 4]))
     for name, engine, batch_sizes in engines:
         for workload in WORKLOADS:
