@@ -150,10 +150,10 @@ def test_ngram_drafter_smoke_run_writes_its_table(tmp_path: Path) -> None:
 def test_budget_simulation_smoke_run_writes_its_table(tmp_path: Path) -> None:
     run_benchmark("budget_simulation.py", "--sessions", "1", "--out-dir", str(tmp_path))
     rows = json.loads((tmp_path / "budget_simulation.json").read_text())["rows"]
-    # NOTE: 11 texts on 4 batch engines at --sessions, and on the long-context one at 1 and 4 sessions
-    assert len(rows) == 4 * 11 + 2 * 11 and all(r["adaptive"] > 0 and r["vs_best"] > 0 for r in rows)
+    # NOTE: 12 texts on 5 batch engines at --sessions, and on the long-context one at 1 and 4 sessions
+    assert len(rows) == 5 * 12 + 2 * 12 and all(r["adaptive"] > 0 and r["vs_best"] > 0 for r in rows)
     assert {r["every"] for r in rows} == {1, 8, 20, 33}  # the texts whose drafts seldom pay
-    assert sum(1 for r in rows if "loops" in r["trees"]) == 6
+    assert sum(1 for r in rows if "loops" in r["trees"]) == 2 * 7
     assert {r["sessions"] for r in rows if r["engine"] == "long-context"} == {1, 4}
 
 
