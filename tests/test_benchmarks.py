@@ -170,9 +170,11 @@ def test_kernel_groups_put_cublas_under_one_name() -> None:
 
 
 def test_gpu_only_benchmarks_import_and_parse_their_options() -> None:
-    """The MLA attention and MoE layer benchmarks have no CPU mode: at least their imports and options must hold."""
+    """The attention kernels' and MoE layer benchmarks have no CPU mode: at least their imports and options must
+    hold."""
     run_benchmark("verify_attention.py", "--mla", "--help")
     run_benchmark("decode_attention.py", "--help")
+    run_benchmark("draft_attention.py", "--help")
     run_benchmark("moe_layer.py", "--help")
 
 
