@@ -63,9 +63,11 @@ def load_drafter(drafter: str, target: str | None, device: str = "cpu", dtype: s
         return NgramDrafter(*ngram_sizes, max_budget=max_budget)
     from drafter_service.dflash_drafter import DFlashDrafter
     from modeling.dflash import load_dflash
+    from modeling.ops import use_device
 
     if not target:
         raise ValueError("a DFlash drafter needs the target checkpoint (it shares its embed_tokens and lm_head)")
+    use_device(device)  # NOTE: drafts run on this thread (the event loop's): its Triton kernels launch on `device`
     tree_drafter = DFlashDrafter(load_dflash(drafter, target, dtype, device), context_window, max_budget=max_budget,
                                  max_sessions=max_sessions)
     tree_drafter.warmup()  # NOTE: captures the CUDA graphs of every batch size now, not during the first steps

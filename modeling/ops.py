@@ -121,3 +121,12 @@ def _triton_row_ops() -> TritonRowOps:
 def row_ops(x: torch.Tensor) -> TorchRowOps:
     """The ops for x's device: the Triton kernels for a CUDA tensor (Triton loads at the first), else plain torch."""
     return _triton_row_ops() if x.is_cuda else _TORCH_ROW_OPS
+
+
+def use_device(device: str | torch.device) -> None:
+    """Make a CUDA `device` with an index the calling thread's current device: Triton launches a kernel on the
+    thread's current device, not on its tensors' (a thread starts on device 0), so a model on cuda:1 would run its
+    Triton kernels against device 0. Nothing for the CPU, or for a bare "cuda" (device 0 already)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device)

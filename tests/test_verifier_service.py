@@ -8,7 +8,9 @@ import threading
 import time
 
 import grpc
+import torch
 
+from modeling.ops import use_device
 from modeling.speculation import DraftStep
 from modeling.tree import DraftTree
 from proto import drafter_pb2, drafter_pb2_grpc
@@ -332,5 +334,26 @@ def test_a_replica_whose_stream_stopped_taking_requests_is_stalled_not_queued_to
         assert time.perf_counter() - started < 0.5 and len(link.outbox) == 4
         assert not link.healthy and metrics.drafter_stalls._value.get() == 1
         await pool.stop()
+
+    asyncio.run(main())
+
+
+def test_the_engine_thread_and_a_cuda_index_make_the_engines_device_current(monkeypatch) -> None:
+    """Triton launches on the calling thread's current device, not on its tensors': an engine on cuda:1 must have
+    cuda:1 current in the thread that runs it (a thread starts on device 0)."""
+    current: list[tuple[str, torch.device]] = []
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: current.append((threading.current_thread().name,
+                                                                                 device)))
+    for device in ("cpu", "cuda"):  # NOTE: nothing to set: the CPU, or device 0 already
+        use_device(device)
+    assert current == []
+    use_device("cuda:1")
+    assert current == [(threading.current_thread().name, torch.device("cuda:1"))]
+
+    async def main() -> None:
+        worker = EngineWorker(inline_steps=False, device="cuda:2")
+        name = await worker.call(lambda: threading.current_thread().name)
+        worker.shutdown()
+        assert current[-1] == (name, torch.device("cuda:2")) and name.startswith("engine")
 
     asyncio.run(main())

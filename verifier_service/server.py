@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from modeling.config import ModelConfig
+from modeling.ops import use_device
 from proto import verifier_pb2, verifier_pb2_grpc
 from proto.security import add_internal_auth_args, internal_auth
 from proto.serving import ServiceServer, channel_options, server_options, service_main
@@ -120,6 +121,7 @@ async def serve(args: argparse.Namespace) -> None:
     sys.setswitchinterval(args.gil_switch_interval_ms / 1e3)
     auth = internal_auth(args)  # NOTE: first: a bad secret file fails the start before the checkpoint loads
     config = engine_config(args, ModelConfig.from_dir(args.target))
+    use_device(config.device)  # NOTE: the loop's thread runs steps inline (the engine's thread sets it too)
     group = None
     if args.tensor_parallel > 1:
         group = TensorParallelGroup.start(args.target, config, args.tensor_parallel, args.tp_timeout_s)

@@ -75,7 +75,7 @@ class VerifierService:
         self.step_costs = StepCosts()  # NOTE: shared: every session's steps measure the same engine
         self.budget_outcomes = Outcomes(SHARED_DECAY)  # what the adaptive sessions' trees accepted, for new ones
         self.policies: dict[str, AdaptiveBudget] = {}  # adaptive sessions' policies, across their generations
-        self.worker = EngineWorker(inline_steps)
+        self.worker = EngineWorker(inline_steps, engine.config.device)
         self.prefill_turns = PrefillTurns()
         self.admission = KVAdmission(admission_timeout_s, metrics.admission_wait_seconds.observe)
         self.generating: set[str] = set()

@@ -5,19 +5,23 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import time
 from collections.abc import Callable
 from typing import TypeVar
+
+from modeling.ops import use_device
 
 T = TypeVar("T")
 
 
 class EngineWorker:
-    def __init__(self, inline_steps: bool = True):
+    def __init__(self, inline_steps: bool = True, device: str = "cpu"):
         """inline_steps: let `step_call` run on the calling loop when the engine thread is idle. Off with
         tensor-parallel peers: a collective stuck on a dead rank must not freeze the loop that marks the
-        engine down."""
-        self.executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+        engine down. device: the engine's, made the thread's current device (modeling.ops.use_device)."""
+        self.executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine",
+                                                              initializer=functools.partial(use_device, device))
         self.inline_steps = inline_steps
         self.last: concurrent.futures.Future | None = None  # NOTE: one thread, FIFO: when it is done, all are
         self.busy_seconds = 0.0  # the engine's time on the calls ended so far, of every kind
