@@ -303,6 +303,40 @@ def test_a_session_whose_trees_fail_does_not_expect_what_a_session_that_repeats_
     assert policy.offer(500).accepted[fifteen] > 5
 
 
+def failed_probe(policy: AdaptiveBudget, idle_steps: int) -> None:
+    """`idle_steps` plain steps, then a probe of three candidates none of which matched."""
+    for _ in range(idle_steps):
+        policy.observe(0, None, [])
+    policy.observe(3, DraftTree(tuple(range(3)), (-1, -1, -1), (1, 1, 1)), [])
+
+
+def test_where_most_sessions_drafts_fail_an_idle_session_keeps_expecting_little() -> None:
+    """One session repeating itself writes the service's record of the large trees, while fifteen others' probes fail
+    every 20 steps: per session-step, a session's trees accept next to nothing of what that record says. A session
+    whose probe failed then expects that much, not the record, once its own record has aged (on the H100, Qwen3-0.6B
+    shape, 64 sessions, acceptance ~1.1: idle sessions returning to the record together were drafted at 15 every
+    11-17 passes, in vain)."""
+    costs, shared = StepCosts(), Outcomes(SHARED_DECAY)
+    looping, idle = adaptive(costs, shared), [adaptive(costs, shared) for _ in range(15)]
+    for policy in idle:
+        first_step(policy, costs)
+    for step in range(60):
+        looping.observe(15, DraftTree.chain(list(range(15))), list(range(14)))
+        for i, policy in enumerate(idle):
+            if i == step % 20:
+                failed_probe(policy, 0)
+            else:
+                policy.observe(0, None, [])
+    assert shared.usual_ratio() < 0.25
+    policy = adaptive(costs, shared)
+    first_step(policy, costs)
+    failed_probe(policy, 8)
+    fifteen = policy.offer(500).candidates.index(15)
+    for _ in range(40):
+        policy.observe(0, None, [])
+    assert policy.offer(500).accepted[fifteen] < 0.25 * shared.mean(15)[0]
+
+
 def test_a_path_that_runs_into_the_tree_edge_tries_the_next_size_up() -> None:
     costs = StepCosts()
     policy = adaptive(costs)

@@ -29,6 +29,7 @@ EMPTY_WEIGHT = 0.25
 # NOTE: what a tree none of whose nodes matched tells of the larger budgets (their further nodes are the less likely
 # ones): a warm-up no longer walks through every larger size, failing at each (budget_simulation.md)
 FAILED_BELOW_WEIGHT = 0.5
+RATIO_STEPS_CAP = 64  # the most steps one draft's `relative` ratio stands for in the service's usual ratio
 
 
 def candidate_budgets(max_budget: int) -> tuple[int, ...]:
@@ -78,6 +79,17 @@ class Outcomes:
     def __init__(self, decay: float):
         self.decay = decay
         self.records: dict[int, list[float]] = {}  # budget -> [accepted total, nodes total, weight], decayed
+        self.ratios = [0.0, 0.0]  # the sessions' own ratios as they drafted, each weighted by its steps since its last
+
+    def add_ratio(self, ratio: float, steps: float) -> None:
+        self.ratios[0] = self.decay * self.ratios[0] + steps * ratio
+        self.ratios[1] = self.decay * self.ratios[1] + steps
+
+    def usual_ratio(self) -> float:
+        """What a session's trees accept over this record, per session-step (1 before any): low where most sessions'
+        drafts fail while a few sessions write the record."""
+        total, weight = self.ratios
+        return total / weight if weight else 1.0
 
     def __contains__(self, budget: int) -> bool:
         return budget in self.records
@@ -164,21 +176,31 @@ class AdaptiveBudget:
                      self.steps - self.drafted_at, context, self.step_up or 0)
 
     def relative(self) -> float:
-        """What this session's trees accept over what the service's do, at the smallest budget both have records
-        of (at most 1), aged like a record towards 1: what the session expects of the service's record at the
-        budgets it has not verified lately. The sessions whose drafts pay write most of that record (they draft
-        at every step and climb to the large trees): in a batch where one session repeats itself, the others,
-        just probed in vain at 3, expected their trees of 7 and 15 to accept what its did, and joined its next
-        passes at those sizes (budget_simulation.md; on the H100, 8B shape, 64 sessions: 0.90x plain)."""
+        """What this session's trees accept over what the service's do (`own_ratio`), aged like a record towards
+        what the service's sessions' trees usually accept over that record (`Outcomes.usual_ratio`): what the
+        session expects of the service's record at the budgets it has not verified lately. The sessions whose drafts
+        pay write most of that record (they draft at every step and climb to the large trees): in a batch where one
+        session repeats itself, the others, just probed in vain at 3, expected their trees of 7 and 15 to accept
+        what its did, and joined its next passes at those sizes (budget_simulation.md; on the H100, 8B shape, 64
+        sessions: 0.90x plain). Aged towards 1, every idle session of a batch came back to the record within ~10
+        bursts, and the plan drafted them all at 15, in vain, every 11-17 passes (H100, Qwen3-0.6B shape, 64
+        sessions, acceptance ~1.1: 0.92x plain); aged towards the usual ratio, a session returns to the record where
+        most sessions' drafts pay (one that failed in its warm-up) and stays low where a few sessions write it."""
+        own = self.own_ratio()
+        if own is None:
+            return 1.0
+        budget, ratio = own
+        weight = self.own.weight(budget) * self.age_decay ** (self.steps - self.verified_at[budget])
+        return (weight * ratio + self.hope * self.shared.usual_ratio()) / (weight + self.hope)
+
+    def own_ratio(self) -> tuple[int, float] | None:
+        """(budget, ratio): what this session's trees accepted over the service's record, at the smallest budget
+        both have records of (at most 1; 1 where the record accepts nothing), None before it has one."""
         for budget in self.candidates[1:]:
             if budget in self.own and budget in self.shared:
                 usual = self.shared.mean(budget)[0]
-                if usual <= 0:
-                    return 1.0
-                weight = self.own.weight(budget) * self.age_decay ** (self.steps - self.verified_at[budget])
-                ratio = min(1.0, self.own.mean(budget)[0] / usual)
-                return (weight * ratio + self.hope) / (weight + self.hope)
-        return 1.0
+                return budget, min(1.0, self.own.mean(budget)[0] / usual) if usual > 0 else 1.0
+        return None
 
     def expected(self, budget: int, relative: float = 1.0) -> tuple[float, float]:
         """(accepted nodes, tree nodes) a step of `budget` can expect: the record, aged, blended with what the
@@ -215,7 +237,7 @@ class AdaptiveBudget:
         self.last_rows = (len(tree) if tree else 0) + 1
         if tree is None or budget == 0:  # NOTE: a step up it asked for waits for the next pass that drafts
             return
-        self.drafted_at = self.steps
+        idle, self.drafted_at = self.steps - self.drafted_at, self.steps
         self.step_up = None
         weight = 1.0
         if not len(tree):  # NOTE: the drafter found nothing to propose; once is no sign that its trees would fail
@@ -231,6 +253,9 @@ class AdaptiveBudget:
             self.own.add(*outcome, weight)
             self.shared.add(*outcome, weight)
             self.verified_at[outcome[0]] = self.steps
+        own = self.own_ratio()
+        if own is not None:  # NOTE: a session idle for long stands for that many steps of the service, up to a cap
+            self.shared.add_ratio(own[1], min(idle, RATIO_STEPS_CAP))
         if not path:  # NOTE: none of its best nodes matched: the larger trees' further nodes are likelier to fail too
             for larger in (b for b in self.candidates if b > budget):
                 self.own.add(larger, 0, larger, weight * FAILED_BELOW_WEIGHT)
