@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from modeling.tree import DraftTree  # noqa: E402
 from verifier_service.budget_planner import BudgetPlanner  # noqa: E402
 from verifier_service.step_costs import BatchShape, StepCosts  # noqa: E402
-from verifier_service.tree_budget import SHARED_DECAY, AdaptiveBudget, BudgetPolicy, FixedBudget, Outcomes  # noqa: E402
+from verifier_service.tree_budget import AdaptiveBudget, BudgetPolicy, FixedBudget, ServiceRecord  # noqa: E402
 
 CONTEXT = 1024
 DRAFT_S = 0.0003
@@ -129,7 +129,7 @@ def draft(budget: int) -> DraftTree:
 
 def adaptive_sessions(max_budget: int = 63) -> Callable[[StepCosts], BudgetPolicy]:
     """New adaptive sessions of one service: they share its record of what each budget accepts."""
-    shared = Outcomes(SHARED_DECAY)
+    shared = ServiceRecord()
     return lambda costs: AdaptiveBudget(max_budget, costs, shared)
 
 

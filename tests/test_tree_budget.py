@@ -44,11 +44,10 @@ from verifier_service.metrics import VerifierMetrics
 from verifier_service.service import VerifierService
 from verifier_service.step_costs import BatchShape, CostModel, StepCosts, bucket
 from verifier_service.tree_budget import (
-    SHARED_DECAY,
     AdaptiveBudget,
     FixedBudget,
     Offer,
-    Outcomes,
+    ServiceRecord,
     accepted_within,
     candidate_budgets,
     session_policy,
@@ -157,8 +156,8 @@ def verify_s(rows: int) -> float:
     return 0.010 * (1 + rows / 64)
 
 
-def adaptive(costs: StepCosts, shared: Outcomes | None = None) -> AdaptiveBudget:
-    return AdaptiveBudget(MAX, costs, shared if shared is not None else Outcomes(SHARED_DECAY))
+def adaptive(costs: StepCosts, shared: ServiceRecord | None = None) -> AdaptiveBudget:
+    return AdaptiveBudget(MAX, costs, shared if shared is not None else ServiceRecord())
 
 
 def choose(policy: AdaptiveBudget, planner: BudgetPlanner | None = None, others: int = 0) -> int:
@@ -209,7 +208,7 @@ def test_a_session_that_accepts_a_dozen_nodes_settles_on_the_smallest_tree_that_
 
 def test_a_new_session_starts_from_what_the_others_saw() -> None:
     """No exploration at the maximum: the service's sessions have shown what each budget accepts."""
-    costs, shared = StepCosts(), Outcomes(SHARED_DECAY)
+    costs, shared = StepCosts(), ServiceRecord()
     simulate(adaptive(costs, shared), costs, lambda _: 12, 20)
     assert simulate(adaptive(costs, shared), costs, lambda _: 12, 10) == [15] * 10
 
@@ -217,7 +216,7 @@ def test_a_new_session_starts_from_what_the_others_saw() -> None:
 def test_pinned_sessions_teach_the_others_what_the_budgets_accept() -> None:
     """An old record of failed drafts (a warm-up on text that did not repeat) is outweighed by the pinned sessions
     that came after it, so a new adaptive session drafts from its first step instead of waiting for it to age."""
-    costs, shared = StepCosts(), Outcomes(SHARED_DECAY)
+    costs, shared = StepCosts(), ServiceRecord()
     simulate(adaptive(costs, shared), costs, lambda _: 0, 8)
     assert simulate(adaptive(costs, shared), costs, lambda _: MAX, 3)[0] == 0  # what the old record alone says
     pinned = session_policy("adaptive", MAX, 31, costs, shared)
@@ -237,7 +236,7 @@ def test_empty_drafts_count_less_than_failed_trees_and_the_first_not_at_all() ->
     assert choose(policy) == MAX  # the empty draft taught nothing
     expected = {}
     for found in (False, True):
-        costs, shared = StepCosts(), Outcomes(SHARED_DECAY)
+        costs, shared = StepCosts(), ServiceRecord()
         policy = adaptive(costs, shared)
         first_step(policy, costs)
         for _ in range(3):
@@ -287,7 +286,7 @@ def test_a_session_whose_trees_fail_does_not_expect_what_a_session_that_repeats_
     """The service's record of the large trees is written by the sessions that draft at every step: in a batch where
     one session repeats itself, a session whose probe just failed must not expect its trees of 15 to accept what the
     repeating one's do once its own record of them ages (it expected ~1.5 nodes two bursts later, and joined)."""
-    costs, shared = StepCosts(), Outcomes(SHARED_DECAY)
+    costs, shared = StepCosts(), ServiceRecord()
     looping = adaptive(costs, shared)
     for _ in range(30):
         looping.observe(15, DraftTree.chain(list(range(15))), list(range(14)))
@@ -316,7 +315,7 @@ def test_where_most_sessions_drafts_fail_an_idle_session_keeps_expecting_little(
     whose probe failed then expects that much, not the record, once its own record has aged (on the H100, Qwen3-0.6B
     shape, 64 sessions, acceptance ~1.1: idle sessions returning to the record together were drafted at 15 every
     11-17 passes, in vain)."""
-    costs, shared = StepCosts(), Outcomes(SHARED_DECAY)
+    costs, shared = StepCosts(), ServiceRecord()
     looping, idle = adaptive(costs, shared), [adaptive(costs, shared) for _ in range(15)]
     for policy in idle:
         first_step(policy, costs)
@@ -498,7 +497,7 @@ def test_the_adaptive_policy_keeps_up_with_the_best_fixed_budget(engine, workloa
 
 def test_pins_and_their_validation() -> None:
     costs = StepCosts()
-    shared = Outcomes(SHARED_DECAY)
+    shared = ServiceRecord()
     assert session_policy("adaptive", 8, 3, costs, shared) == FixedBudget(3)
     assert session_policy("fixed", 8, 0, costs, shared) == FixedBudget(8)
     assert isinstance(session_policy("adaptive", 8, 0, costs, shared), AdaptiveBudget)

@@ -27,11 +27,10 @@ from verifier_service.prefill_turns import PrefillTurns
 from verifier_service.step_costs import StepCosts
 from verifier_service.step_loop import StepEvent, StepLoop, StepSink
 from verifier_service.tree_budget import (
-    SHARED_DECAY,
     AdaptiveBudget,
     BudgetPolicy,
     BudgetPolicyName,
-    Outcomes,
+    ServiceRecord,
     session_policy,
 )
 from verifier_service.worker import EngineWorker
@@ -73,7 +72,7 @@ class VerifierService:
         self.engine, self.drafters, self.metrics, self.tree_budget = engine, drafters, metrics, tree_budget
         self.budget_policy = budget_policy
         self.step_costs = StepCosts()  # NOTE: shared: every session's steps measure the same engine
-        self.budget_outcomes = Outcomes(SHARED_DECAY)  # what the adaptive sessions' trees accepted, for new ones
+        self.budget_outcomes = ServiceRecord()  # what the adaptive sessions' trees accepted, for new ones
         self.policies: dict[str, AdaptiveBudget] = {}  # adaptive sessions' policies, across their generations
         self.worker = EngineWorker(inline_steps, engine.config.device)
         self.prefill_turns = PrefillTurns()

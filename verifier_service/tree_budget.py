@@ -79,17 +79,6 @@ class Outcomes:
     def __init__(self, decay: float):
         self.decay = decay
         self.records: dict[int, list[float]] = {}  # budget -> [accepted total, nodes total, weight], decayed
-        self.ratios = [0.0, 0.0]  # the sessions' own ratios as they drafted, each weighted by its steps since its last
-
-    def add_ratio(self, ratio: float, steps: float) -> None:
-        self.ratios[0] = self.decay * self.ratios[0] + steps * ratio
-        self.ratios[1] = self.decay * self.ratios[1] + steps
-
-    def usual_ratio(self) -> float:
-        """What a session's trees accept over this record, per session-step (1 before any): low where most sessions'
-        drafts fail while a few sessions write the record."""
-        total, weight = self.ratios
-        return total / weight if weight else 1.0
 
     def __contains__(self, budget: int) -> bool:
         return budget in self.records
@@ -111,13 +100,32 @@ class Outcomes:
         return self.records[budget][2]
 
 
+class ServiceRecord(Outcomes):
+    """What all the service's sessions' trees accepted (decayed over about their last hundred steps), and how a
+    session's trees usually fare against that record."""
+
+    def __init__(self, decay: float = SHARED_DECAY):
+        super().__init__(decay)
+        self.ratios = [0.0, 0.0]  # the sessions' own ratios as they drafted, each weighted by its steps since its last
+
+    def add_ratio(self, ratio: float, steps: float) -> None:
+        self.ratios[0] = self.decay * self.ratios[0] + steps * ratio
+        self.ratios[1] = self.decay * self.ratios[1] + steps
+
+    def usual_ratio(self) -> float:
+        """What a session's trees accept over this record, per session-step (1 before any): low where most sessions'
+        drafts fail while a few sessions write the record."""
+        total, weight = self.ratios
+        return total / weight if weight else 1.0
+
+
 @dataclass(frozen=True)
 class FixedBudget:
     """One budget every step. With `shared` (a pinned request in a service of adaptive sessions), its trees still
     teach the service's record what each smaller budget would have accepted."""
 
     budget: int
-    shared: Outcomes | None = field(default=None, compare=False)
+    shared: ServiceRecord | None = field(default=None, compare=False)
     candidates: tuple[int, ...] = field(default=(), compare=False)  # the service's: what `shared` is kept for
 
     def offer(self, context: int) -> Offer:
@@ -150,7 +158,7 @@ class AdaptiveBudget:
     verified again (its offer pins it) as often as keeps those explorations under `explore_share` of the batch's
     time (all its sessions' explorations together)."""
 
-    def __init__(self, max_budget: int, costs: StepCosts, shared: Outcomes, explore_share: float = 0.02,
+    def __init__(self, max_budget: int, costs: StepCosts, shared: ServiceRecord, explore_share: float = 0.02,
                  decay: float = 0.8, age_decay: float = 0.8, hope: float = 0.01):
         self.max_budget, self.costs, self.shared = max_budget, costs, shared
         self.explore_share, self.age_decay, self.hope = explore_share, age_decay, hope
@@ -177,7 +185,7 @@ class AdaptiveBudget:
 
     def relative(self) -> float:
         """What this session's trees accept over what the service's do (`own_ratio`), aged like a record towards
-        what the service's sessions' trees usually accept over that record (`Outcomes.usual_ratio`): what the
+        what the service's sessions' trees usually accept over that record (`ServiceRecord.usual_ratio`): what the
         session expects of the service's record at the budgets it has not verified lately. The sessions whose drafts
         pay write most of that record (they draft at every step and climb to the large trees): in a batch where one
         session repeats itself, the others, just probed in vain at 3, expected their trees of 7 and 15 to accept
@@ -268,7 +276,7 @@ class AdaptiveBudget:
 
 
 def session_policy(policy: BudgetPolicyName, max_budget: int, pinned: int, costs: StepCosts,
-                   shared: Outcomes) -> BudgetPolicy:
+                   shared: ServiceRecord) -> BudgetPolicy:
     """A generation's policy: the request's `tree_budget` when it pins one (> 0), else the server's."""
     if pinned < 0:
         raise InvalidArgument(f"tree_budget: {pinned} is negative (0 = the server's policy)")
