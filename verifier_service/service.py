@@ -72,7 +72,7 @@ class VerifierService:
         self.engine, self.drafters, self.metrics, self.tree_budget = engine, drafters, metrics, tree_budget
         self.budget_policy = budget_policy
         self.step_costs = StepCosts()  # NOTE: shared: every session's steps measure the same engine
-        self.budget_outcomes = ServiceRecord()  # what the adaptive sessions' trees accepted, for new ones
+        self.budget_record = ServiceRecord()  # what the adaptive sessions' trees accepted, for new ones
         self.policies: dict[str, AdaptiveBudget] = {}  # adaptive sessions' policies, across their generations
         self.worker = EngineWorker(inline_steps, engine.config.device)
         self.prefill_turns = PrefillTurns()
@@ -259,7 +259,7 @@ class VerifierService:
     def _budgets(self, session_id: str, pinned: int) -> BudgetPolicy:
         """The generation's budget policy. A session's adaptive policy outlives its generations: the next turn
         starts from what the last one learnt of the session's acceptance, not from exploring again."""
-        policy = session_policy(self.budget_policy, self.tree_budget, pinned, self.step_costs, self.budget_outcomes)
+        policy = session_policy(self.budget_policy, self.tree_budget, pinned, self.step_costs, self.budget_record)
         return self.policies.setdefault(session_id, policy) if isinstance(policy, AdaptiveBudget) else policy
 
     async def release_session(self, session_id: str) -> int:
