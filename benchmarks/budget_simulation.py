@@ -155,9 +155,12 @@ def tokens_per_s(new_policy: Callable[[StepCosts], BudgetPolicy], sessions: int,
     while min(finished) < generations:
         stepping = [i for i in range(sessions) if made[i]]  # NOTE: a generation's first step is plain, as the loop's
         budgets = [0] * sessions
-        offers = [policies[i].offer(CONTEXT) for i in stepping]
-        for i, budget in zip(stepping, planner.plan(offers, CONTEXT, besides=sessions - len(stepping))):
-            budgets[i] = budget
+        generations_in = frozenset((i, finished[i]) for i in stepping)  # NOTE: as the loop's session ids
+        if not planner.holds(generations_in):
+            offers = [policies[i].offer(CONTEXT) for i in stepping]
+            planned = planner.plan(offers, CONTEXT, besides=sessions - len(stepping), sessions=generations_in)
+            for i, budget in zip(stepping, planned):
+                budgets[i] = budget
         plain = engine.step_s(sessions, 0, sessions)
         if engine.burst > 1 and len(stepping) == sessions and not any(budgets):  # NOTE: one call, a burst
             elapsed += engine.call_s + engine.burst * (plain + engine.plain_host_s)

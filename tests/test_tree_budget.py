@@ -37,7 +37,7 @@ from proto import common_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 from tests.engine_helpers import GREEDY, make_engine, plain_generate
 from tests.stack_helpers import greedy_reference, verifier_metric
 from verifier_service import service as service_module
-from verifier_service.budget_planner import BudgetPlanner
+from verifier_service.budget_planner import HOLD_PASSES, BudgetPlanner
 from verifier_service.drafter_pool import DrafterPool
 from verifier_service.engine.acceptance import accept_path
 from verifier_service.metrics import VerifierMetrics
@@ -430,6 +430,48 @@ def test_idle_sessions_are_probed_together_within_the_share() -> None:
     step_s = costs.verify.estimate(9, 500)
     probe_s = 0.005 + costs.verify.estimate(9 + 8 * 3, 500) - step_s
     assert 0 < len(late) * probe_s <= 0.03 * 200 * step_s + probe_s
+
+
+def test_a_plan_in_which_nobody_drafts_holds_a_few_passes_of_the_same_sessions() -> None:
+    """Asking 64 sessions for offers and planning them costs a plain pass about as much host work as the rest of it:
+    an all-plain plan stands for up to HOLD_PASSES passes of the same sessions, counted towards the next probe, which
+    still comes when due; a new session, a plan in which someone drafts or a probe due plans again."""
+    planner = BudgetPlanner(measured_costs())
+    offers, names = [offer(0, idle=10) for _ in range(8)], frozenset(range(8))
+    for _ in range(200):  # NOTE: past the probes' backoff
+        planner.plan(offers, 500, sessions=names)
+    while any(planner.plan(offers, 500, sessions=names)):
+        pass
+    assert planner.probe_wait > 2 * HOLD_PASSES
+    held = [planner.holds(names) for _ in range(HOLD_PASSES)]
+    assert held == [True] * (HOLD_PASSES - 1) + [False]
+    assert planner.since_probe == HOLD_PASSES  # NOTE: the plan's pass and the held ones
+    assert not planner.holds(names | {8})
+    assert any(planner.plan([Offer(3)] + offers[1:], 500, sessions=names))  # NOTE: a pinned draft
+    assert not planner.holds(names)
+
+    def next_probe() -> int:  # NOTE: passes as the loop runs them, a plan whenever the last one does not hold
+        passes = 1
+        while planner.holds(names) or not any(planner.plan(offers, 500, sessions=names)):
+            passes += 1
+        return passes
+
+    next_probe()
+    assert abs(next_probe() - planner_probe_wait(offers)) <= 1
+    assert not BudgetPlanner(measured_costs()).holds(frozenset())
+
+
+def planner_probe_wait(offers: list[Offer]) -> int:
+    """Passes from one probe to the next of a planner that plans every pass."""
+    planner = BudgetPlanner(measured_costs())
+    for _ in range(200):
+        planner.plan(offers, 500)
+    while not any(planner.plan(offers, 500)):
+        pass
+    passes = 1
+    while not any(planner.plan(offers, 500)):
+        passes += 1
+    return passes
 
 
 def test_a_long_sessions_tree_rows_are_priced_at_its_own_context() -> None:

@@ -291,8 +291,12 @@ class StepLoop:
         offered: dict[str, Offer] = {}
         failed: set[str] = set()
         opening = {stepper.session_id for stepper in steppers if self.drafters.opening(stepper.session_id)}
+        offering = frozenset(stepper.session_id for stepper in steppers
+                             if stepper.cursor.step and stepper.session_id not in opening)
+        if self.planner.holds(offering):  # NOTE: the last plan, all plain, stands: no offers asked
+            return [_Planned(stepper, 0, opening=stepper.session_id in opening) for stepper in steppers]
         for stepper in steppers:
-            if stepper.cursor.step and stepper.session_id not in opening:
+            if stepper.session_id in offering:
                 try:
                     offered[stepper.session_id] = stepper.budgets.offer(stepper.session.kv_len)
                 except Exception as error:  # noqa: BLE001 - handed to its generation
@@ -307,7 +311,8 @@ class StepLoop:
         # NOTE: with cohorts, the others' steps run while this pass's drafts are out (each runs once meanwhile)
         hidden_s = sum(self.cohort_step_seconds) - self.cohort_step_seconds[steppers[0].cohort]
         budgets = dict(zip(offered, self.planner.plan(list(offered.values()), context,
-                                                      besides=len(steppers) - len(offered), hidden_s=hidden_s)))
+                                                      besides=len(steppers) - len(offered), hidden_s=hidden_s,
+                                                      sessions=frozenset(offered))))
         return [_Planned(stepper, budgets.get(stepper.session_id, 0), opening=stepper.session_id in opening)
                 for stepper in steppers]
 
