@@ -85,11 +85,8 @@ class FakeEngine:
         return self.step([(sid, DraftTree.empty()) for sid in session_ids])
 
 
-class ChainDrafters:
-    """A drafter pool that answers every step at once with a chain of the session's size."""
-
-    def __init__(self, sizes: dict[str, int]):
-        self.sizes, self.rounds = sizes, []
+class OpenDrafters:
+    """A drafter pool whose mirrors are all open: what the loop asks of one besides its drafts."""
 
     def is_open(self, session_id: str) -> bool:
         return True
@@ -99,6 +96,13 @@ class ChainDrafters:
 
     def add_features(self, session_id: str, features) -> None:
         pass
+
+
+class ChainDrafters(OpenDrafters):
+    """A drafter pool that answers every step at once with a chain of the session's size."""
+
+    def __init__(self, sizes: dict[str, int]):
+        self.sizes, self.rounds = sizes, []
 
     async def draft_all(self, steps: list[DraftStep]) -> list[DraftTree]:
         self.rounds.append(sorted(step.session_id for step in steps))
@@ -461,21 +465,12 @@ def test_plain_batches_decode_in_bursts_and_stay_exact(tiny_target) -> None:
     assert len(events[1]) < 13
 
 
-class BudgetChains:
+class BudgetChains(OpenDrafters):
     """A drafter pool that answers each step with a chain of its budget's size: of the session's true continuation
     where `truth` has it, else of a token the model seldom picks."""
 
     def __init__(self, truth: dict[str, list[int]] | None = None):
         self.truth = truth or {}
-
-    def is_open(self, session_id: str) -> bool:
-        return True
-
-    def opening(self, session_id: str) -> bool:
-        return False
-
-    def add_features(self, session_id: str, features) -> None:
-        pass
 
     async def draft_all(self, steps: list[DraftStep]) -> list[DraftTree]:
         trees = []
