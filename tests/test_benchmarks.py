@@ -157,6 +157,13 @@ def test_budget_simulation_smoke_run_writes_its_table(tmp_path: Path) -> None:
     assert {r["sessions"] for r in rows if r["engine"] == "long-context"} == {1, 4}
 
 
+def test_plan_cost_smoke_run_holds_plans_without_changing_the_probes(tmp_path: Path) -> None:
+    run_benchmark("plan_cost.py", "--sessions", "8", "--passes", "200", "--out-dir", str(tmp_path))
+    every, held = json.loads((tmp_path / "plan_cost.json").read_text())["rows"]
+    assert every["planned"] == 200 and held["planned"] < 200
+    assert every["drafting_passes"] == held["drafting_passes"] > 0
+
+
 def test_kernel_groups_put_cublas_under_one_name() -> None:
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
