@@ -26,8 +26,9 @@ PROBE_IDLE_STEPS = 4
 # after a prompt seldom repeat it, the next ones do), and a long run of probes in vain costs the share only
 PROBE_BACKOFF = 4
 # NOTE: ... and a long run of vain probes stretches the interval up to this many times (probes at a quarter of
-# `probe_share`): where nothing repeats they are all waste, and on the simulated grid this lost a little of the warm-ups'
-# edge (still above every fixed budget) against 18 -> 13 points below 0.95 of the best fixed (budget_simulation.md)
+# `probe_share`): where nothing repeats they are all waste, and on the simulated grid this lost a little of the
+# warm-ups' edge (still above every fixed budget) against 18 -> 13 points below 0.95 of the best fixed
+# (budget_simulation.md)
 PROBE_SLOWEST = 4.0
 # NOTE: drafting "pays" again, and the probes' backoff starts over, once it pays for this share of the free sessions:
 # a few sessions whose drafts happen to pay say little of the idle ones, and restarting the backoff on each of their
@@ -103,7 +104,8 @@ class BudgetPlanner:
             budgets[i] = candidates[chosen]
         idle = [i for i in free if budgets[i] == 0 and offers[i].idle >= PROBE_IDLE_STEPS]
         probe = min(PROBE_BUDGET, candidates[-1])
-        wait = min(PROBE_SLOWEST, 2.0 ** (self.vain_probes - PROBE_BACKOFF)) * self._probe_interval(pass_, choice, idle, probe)
+        backoff = min(PROBE_SLOWEST, 2.0 ** (self.vain_probes - PROBE_BACKOFF))
+        wait = backoff * self._probe_interval(pass_, choice, idle, probe)
         self.probe_wait = wait if idle and probe else 0.0
         if idle and probe and self.since_probe >= wait:
             for i in idle:
