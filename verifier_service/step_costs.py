@@ -22,9 +22,9 @@ class DecayedMean:
     total: float = 0.0
     weight: float = 0.0
 
-    def add(self, value: float) -> None:
-        self.total = self.decay * self.total + value
-        self.weight = self.decay * self.weight + 1
+    def add(self, value: float, weight: float = 1.0) -> None:
+        self.total = self.decay * self.total + weight * value
+        self.weight = self.decay * self.weight + weight
 
     @property
     def value(self) -> float:

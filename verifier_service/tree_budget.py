@@ -18,7 +18,7 @@ from typing import Literal, NamedTuple, Protocol
 
 from modeling.tree import DraftTree
 from verifier_service.errors import InvalidArgument
-from verifier_service.step_costs import StepCosts
+from verifier_service.step_costs import DecayedMean, StepCosts
 
 BudgetPolicyName = Literal["fixed", "adaptive"]
 BUDGET_POLICIES: tuple[BudgetPolicyName, ...] = ("fixed", "adaptive")
@@ -106,17 +106,15 @@ class ServiceRecord(Outcomes):
 
     def __init__(self, decay: float = SHARED_DECAY):
         super().__init__(decay)
-        self.ratios = [0.0, 0.0]  # the sessions' own ratios as they drafted, each weighted by its steps since its last
+        self.ratios = DecayedMean(decay)  # the sessions' own ratios as they drafted, each weighted by its steps since
 
     def add_ratio(self, ratio: float, steps: float) -> None:
-        self.ratios[0] = self.decay * self.ratios[0] + steps * ratio
-        self.ratios[1] = self.decay * self.ratios[1] + steps
+        self.ratios.add(ratio, steps)
 
     def usual_ratio(self) -> float:
         """What a session's trees accept over this record, per session-step (1 before any): low where most sessions'
         drafts fail while a few sessions write the record."""
-        total, weight = self.ratios
-        return total / weight if weight else 1.0
+        return self.ratios.value if self.ratios.weight else 1.0
 
 
 @dataclass(frozen=True)
