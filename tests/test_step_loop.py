@@ -55,6 +55,7 @@ class FakeEngine:
     unburstable: str | None = None  # a session for which the engine refuses bursts
     step_seconds: float = 0.0  # how long each step keeps the engine (the GPU) busy
     spans: list[tuple[float, float]] = field(default_factory=list)  # each step's (start, end)
+    bursts_queued: int = 0  # bursts the loop has asked for (burst_length is asked as each is queued)
 
     def __post_init__(self) -> None:
         self.sessions = {sid: FakeSession(sid) for sid in self.lengths}
@@ -78,6 +79,7 @@ class FakeEngine:
     def burst_length(self, session_ids: list[str], wanted: int) -> int:
         if self.unburstable in session_ids:
             raise SessionNotFound(f"session {self.unburstable}: released")
+        self.bursts_queued += 1
         return wanted
 
     def decode(self, session_ids: list[str], steps: int) -> list[StepResult]:
@@ -553,6 +555,49 @@ def test_a_sink_gets_its_steps_from_the_loop_and_holds_its_generation_out_while_
         await holding
         assert [event.step for event in held.events] == list(range(6))
         assert isinstance(failing.exception(), InvalidArgument)
+
+    run_loop(engine, None, consume)
+
+
+class QueueWatchingSink(HeldSink):
+    """A sink that notes, as each event is put, how many bursts the loop had queued on the engine by then."""
+
+    def __init__(self, engine: FakeEngine, room: int = 1 << 30):
+        super().__init__(room)
+        self.engine, self.queued = engine, []
+
+    def put(self, event: StepEvent) -> None:
+        super().put(event)
+        self.queued.append(self.engine.bursts_queued)
+
+
+def test_the_next_burst_is_queued_before_the_last_ones_events_go_out() -> None:
+    """While a batch would only burst again, its next burst goes to the engine before the last one's events are handed
+    on (asynchronous scheduling): the GPU does not wait for the hand-over and the next pass. A generation that joins
+    meanwhile ends the chain: the next pass takes it in. A reader that is behind gets at most one event more than
+    its room (from the burst queued before its last event went out), then sits passes out."""
+    engine = FakeEngine({"a": 6, "b": 6, "late": 3, "held": 6}, EngineConfig(decode_burst_steps=2),
+                        step_seconds=0.002)
+
+    async def consume(loop: StepLoop) -> None:
+        a, b = QueueWatchingSink(engine), QueueWatchingSink(engine)
+        await asyncio.gather(loop.run(engine.sessions["a"], FixedBudget(0), a),
+                             loop.run(engine.sessions["b"], FixedBudget(0), b))
+        # NOTE: the first step is no burst; from the first burst's events on, the next burst was already queued
+        assert a.queued == b.queued == [0, 2, 3, 4, 5, 5]
+        assert engine.batches == [["a", "b"]] * 6
+
+        engine.batches.clear()
+        held, late = HeldSink(room=2), HeldSink()
+        holding = asyncio.ensure_future(loop.run(engine.sessions["held"], FixedBudget(0), held))
+        for _ in range(3):
+            await asyncio.sleep(0.01)
+        await loop.run(engine.sessions["late"], FixedBudget(0), late)
+        assert len(held.events) == 3 and not holding.done()  # NOTE: its room, and one burst queued before
+        held.room = 6
+        loop.wake()
+        await holding
+        assert [event.step for event in held.events] == list(range(6)) and len(late.events) == 3
 
     run_loop(engine, None, consume)
 

@@ -144,13 +144,13 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
 
     def _step_pb(self, event: StepEvent) -> verifier_pb2.VerifierGenerateStep:
         result = event.result
-        session = self.service.engine.sessions.get(result.session_id)
         return verifier_pb2.VerifierGenerateStep(
             step=event.step, token_ids=result.emitted,
             acceptance_length=result.acceptance_length, drafted_nodes=event.drafted_nodes,
             finished=result.finished is not None,
             stop_reason=STOP_REASONS.get(result.finished, common_pb2.STOP_REASON_UNSPECIFIED),
-            num_tokens=len(session.tokens) if session else 0,
+            # NOTE: from the step itself: the engine may be running the session's next burst already (StepLoop._burst)
+            num_tokens=result.commit_start + len(result.committed) + 1,
             timings=common_pb2.StepTimings(draft_wait_ms=event.draft_wait_s * 1e3, verify_ms=event.verify_s * 1e3))
 
     @maps_errors

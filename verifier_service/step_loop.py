@@ -6,8 +6,10 @@ GenerateStream's outbox (no task wakes per step), or a queue read as an iterator
 that joins while the drafts are out steps in the same pass: its first step needs no draft) and leave at any time.
 
 A pass's host work runs beside the GPU: a step whose events have not been streamed yet runs on the engine thread
-while the loop streams them, and the drafters' round trip leaves the loop to the streams too. A generation whose
-sink is full (its reader is behind) sits passes out until the sink has room, rather than letting steps pile up.
+while the loop streams them, and the drafters' round trip leaves the loop to the streams too. While a batch only
+decodes plainly (no drafter, or a plan in which nobody drafts that holds), each burst is queued on the engine before
+the last one's events are handed on. A generation whose sink is full (its reader is behind) sits passes out until
+the sink has room, rather than letting steps pile up.
 
 With several cohorts (`--step-cohorts`), each cohort's generations have passes of their own, in turn: one cohort's
 drafts are out while another's step runs, so neither the GPU nor the drafters wait for the other."""
@@ -18,7 +20,7 @@ import asyncio
 import collections
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
@@ -40,7 +42,8 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 # NOTE: a consumer hands its events on at once (to its stream's outbox, which has its own limit and the gateway's
-# credit): only a consumer held up downstream has two waiting, and it sits passes out until it takes them.
+# credit): only a consumer held up downstream has two waiting (three, when a burst was queued before its second went
+# out: StepLoop._burst), and it sits passes out until it takes them.
 RUN_AHEAD = 2
 
 
@@ -290,9 +293,8 @@ class StepLoop:
             return [_Planned(stepper, 0) for stepper in steppers]
         offered: dict[str, Offer] = {}
         failed: set[str] = set()
-        opening = {stepper.session_id for stepper in steppers if self.drafters.opening(stepper.session_id)}
-        offering = frozenset(stepper.session_id for stepper in steppers
-                             if stepper.cursor.step and stepper.session_id not in opening)
+        opening = self._opening(steppers)
+        offering = self._offering(steppers, opening)
         if self.planner.holds(offering):  # NOTE: the last plan, all plain, stands: no offers asked
             return [_Planned(stepper, 0, opening=stepper.session_id in opening) for stepper in steppers]
         for stepper in steppers:
@@ -315,6 +317,16 @@ class StepLoop:
                                                       sessions=frozenset(offered))))
         return [_Planned(stepper, budgets.get(stepper.session_id, 0), opening=stepper.session_id in opening)
                 for stepper in steppers]
+
+    def _opening(self, steppers: Iterable[Stepper]) -> set[str]:
+        """The generations whose drafter mirrors are still opening (asked once a pass)."""
+        return {stepper.session_id for stepper in steppers if self.drafters.opening(stepper.session_id)}
+
+    @staticmethod
+    def _offering(steppers: Iterable[Stepper], opening: set[str]) -> frozenset[str]:
+        """The generations whose budgets a pass plans: past their first step, their drafter mirrors open."""
+        return frozenset(stepper.session_id for stepper in steppers
+                         if stepper.cursor.step and stepper.session_id not in opening)
 
     async def _draft(self, plans: list[_Planned]) -> None:
         """Every plan's tree, asked together; a miss or a bad tree costs its session one step of speculation."""
@@ -360,9 +372,9 @@ class StepLoop:
         wanted = self.engine.config.decode_burst_steps
         plain = [plan for plan in batch if plan.tree is None and plan.stepper.cursor.step]
         if wanted > 1 and len(plain) == len(batch):
-            forwards = await self._burst(batch, wanted, started, drafted)
+            forwards, engine_s = await self._burst(batch, wanted, started, drafted)
             if forwards:
-                return self.last_call_seconds, forwards
+                return engine_s, forwards
             wanted = 1  # NOTE: the burst was refused (the KV cannot hold it, say): one step instead
         results = await self._step(batch, started, drafted)
         if not results:
@@ -373,8 +385,8 @@ class StepLoop:
                         if self.steppers.get(plan.stepper.session_id) is plan.stepper and plan.stepper.sink.has_room()]
             if going_on:
                 plain = [_Planned(plan.stepper, 0, opening=plan.opening) for plan in going_on]
-                burst = await self._burst(plain, wanted - 1, started, drafted)
-                engine_s, forwards = engine_s + (self.last_call_seconds if burst else 0.0), forwards + burst
+                burst, burst_s = await self._burst(plain, wanted - 1, started, drafted)
+                engine_s, forwards = engine_s + burst_s, forwards + burst
         return engine_s, forwards
 
     async def _step(self, batch: list[_Planned], started: float, drafted: float) -> list[StepResult]:
@@ -398,21 +410,68 @@ class StepLoop:
         self._deliver_all(batch, results, started, drafted)
         return results
 
-    async def _burst(self, batch: list[_Planned], wanted: int, started: float, drafted: float) -> int:
-        """Up to `wanted` plain steps of the batch in one engine call; how many ran, 0 when none did (the KV cannot
-        hold it, or the engine refused it: the sessions then go on step by step, where a fault is isolated)."""
+    async def _burst(self, batch: list[_Planned], wanted: int, started: float, drafted: float) -> tuple[int, float]:
+        """Up to `wanted` plain steps of the batch in one engine call; the forwards run and the seconds of the engine
+        calls, 0 forwards when none ran (the KV cannot hold it, or the engine refused it: the sessions then go on
+        step by step, where a fault is isolated). While the next pass would only run another burst of the same
+        generations (`_next_burst`), that burst is queued on the engine before this one's events are handed on, so
+        the GPU does not wait for the hand-over and the next pass (vLLM's asynchronous scheduling)."""
+        burst = self._queue_burst(batch, wanted, now=False)
+        forwards, engine_s = 0, 0.0
+        while burst is not None:
+            batch, steps, call = burst
+            try:
+                results = await call
+            except Exception as error:  # noqa: BLE001 - a burst is an optimisation: its refusal fails no one
+                self._burst_refused(error)
+                return forwards, engine_s
+            self._observe_batch([(plan.stepper.session_id, DraftTree.empty()) for plan in batch], results,
+                                self.last_run_seconds / steps)
+            burst = self._queue_burst(self._next_burst(batch, results), self.engine.config.decode_burst_steps,
+                                      now=True)
+            self._deliver_all(batch, results, started, drafted)
+            forwards, engine_s = forwards + steps, engine_s + self.last_call_seconds
+        return forwards, engine_s
+
+    def _queue_burst(self, batch: list[_Planned], wanted: int, now: bool
+                     ) -> tuple[list[_Planned], int, Awaitable[list[StepResult]]] | None:
+        """The batch's burst: its plans, its steps and its results to await, queued on the engine at once when `now`
+        (else when awaited); None for an empty batch or one that cannot burst (a session released meanwhile)."""
+        if not batch:
+            return None
         session_ids = [plan.stepper.session_id for plan in batch]
         try:
-            steps = self.engine.burst_length(session_ids, wanted)  # NOTE: raises for a session released meanwhile
-            results = await self._engine_call(self.engine.decode, session_ids, steps, forwards=steps)
-        except Exception as error:  # noqa: BLE001 - a burst is an optimisation: its refusal fails no one
-            if self.down_reason is None and not isinstance(error, CapacityError):
-                log.warning("a decode burst was refused: %s", error)
-            return 0
-        self._observe_batch([(session_id, DraftTree.empty()) for session_id in session_ids], results,
-                            self.last_run_seconds / steps)
-        self._deliver_all(batch, results, started, drafted)
-        return steps
+            steps = self.engine.burst_length(session_ids, wanted)
+        except Exception as error:  # noqa: BLE001 - see _burst
+            self._burst_refused(error)
+            return None
+        call = self._engine_submit if now else self._engine_call
+        return batch, steps, call(self.engine.decode, session_ids, steps, forwards=steps)
+
+    def _burst_refused(self, error: Exception) -> None:
+        if self.down_reason is None and not isinstance(error, CapacityError):
+            log.warning("a decode burst was refused: %s", error)
+
+    def _next_burst(self, batch: list[_Planned], results: list[StepResult]) -> list[_Planned]:
+        """The plans of the burst that follows this one at once, when the next pass would run just that: one cohort,
+        no generation waiting to join it (or back from sitting out), and with drafters, a plan in which nobody drafts
+        that still holds for these sessions (BudgetPlanner.holds). Generations that finished or left, or whose
+        readers are behind, are not in it; empty when the loop must plan a pass."""
+        if len(self.wakeups) > 1 or self.down_reason is not None:
+            return []
+        going_on = [plan for plan, result in zip(batch, results) if not result.finished
+                    and self.steppers.get(plan.stepper.session_id) is plan.stepper and plan.stepper.sink.has_room()]
+        leaving = {plan.stepper.session_id for plan, result in zip(batch, results) if result.finished}
+        stepping = {plan.stepper.session_id for plan in going_on} | leaving
+        if any(stepper.session_id not in stepping for stepper in self._ready()):
+            return []  # NOTE: a generation joins, or has room again: the next pass plans it
+        if self.drafters is None:
+            return [_Planned(plan.stepper, 0) for plan in going_on]
+        steppers = [plan.stepper for plan in going_on]
+        opening = self._opening(steppers)
+        if not self.planner.holds(self._offering(steppers, opening)):
+            return []
+        return [_Planned(stepper, 0, opening=stepper.session_id in opening) for stepper in steppers]
 
     async def _engine_call(self, fn: Callable[..., list[StepResult]], *args, forwards: int = 1) -> list[StepResult]:
         """fn(*args) on the engine; `last_call_seconds` its wall time, `last_run_seconds` the engine's time on it
@@ -422,10 +481,28 @@ class StepLoop:
         the last events went out (a draft round, or idling): otherwise their readers and the stream writers run
         beside the GPU, the step on the engine thread."""
         call: Callable = self.worker.call if self.streaming else self.worker.step_call
-        step_started = time.perf_counter()
+        step_started = self._engine_started()
+        return self._engine_ended(step_started, await call(_timed, fn, self.clock, *args), forwards)
+
+    def _engine_submit(self, fn: Callable[..., list[StepResult]], *args, forwards: int = 1
+                       ) -> Awaitable[list[StepResult]]:
+        """`_engine_call`, queued on the engine thread now: the loop goes on with other work until it awaits it."""
+        step_started = self._engine_started()
+        pending = self.worker.submit(_timed, fn, self.clock, *args)
+
+        async def ended() -> list[StepResult]:
+            return self._engine_ended(step_started, await pending, forwards)
+        return ended()
+
+    def _engine_started(self) -> float:
         if self.busy_since is None:
             self.busy_mark = self.worker.busy_seconds
-        results, self.last_run_seconds = await call(_timed, fn, self.clock, *args)
+        return time.perf_counter()
+
+    def _engine_ended(self, step_started: float, timed: tuple[list[StepResult], float], forwards: int
+                      ) -> list[StepResult]:
+        """An engine call's results, its times kept (see `_engine_call`)."""
+        results, self.last_run_seconds = timed
         ended = time.perf_counter()
         if self.busy_since is not None:
             self.metrics.step_gap_seconds.observe(step_started - self.busy_since)

@@ -27,8 +27,12 @@ class EngineWorker:
         self.busy_seconds = 0.0  # the engine's time on the calls ended so far, of every kind
 
     async def call(self, fn: Callable[..., T], *args, **kwargs) -> T:
+        return await self.submit(fn, *args, **kwargs)
+
+    def submit(self, fn: Callable[..., T], *args, **kwargs) -> asyncio.Future[T]:
+        """`call`, queued on the engine thread now, awaited later (the caller goes on meanwhile)."""
         self.last = self.executor.submit(self._run, fn, *args, **kwargs)
-        return await asyncio.wrap_future(self.last)
+        return asyncio.wrap_future(self.last)
 
     async def step_call(self, fn: Callable[..., T], *args, **kwargs) -> T:
         """`call` for a verify step that nothing else on the loop waits on (the caller knows): when no engine
