@@ -47,13 +47,17 @@ class SplitConfig:
 
 
 def default_config(rows: int, head_dim: int) -> SplitConfig:
-    """Tuned on an H200 (benchmarks/results/kernel_tuning.md, section 1).
+    """Tuned on an H200 (benchmarks/results/kernel_tuning.md, section 1); tiles of at most 16 rows on an H100
+    (benchmarks/results/decode_attention_h100.md).
 
-    Up to 64 rows the prefix stage is bandwidth-bound: small tiles, two programs per SM keep enough
-    loads in flight. Past that it is compute-bound: 128-row tiles of one warpgroup, two programs per SM,
-    so one program's softmax overlaps the other's matmuls (faster than one 256-row program of 8 warps
-    per SM). K/V blocks come through TMA wherever the pages allow it.
+    Plain decoding's tiles (one token's heads of a KV group) read the most keys per row: 32-key steps and four
+    programs per SM keep more loads in flight (6% off a 64-session 0.6B step). Up to 64 rows the prefix stage is
+    bandwidth-bound: small tiles, two programs per SM keep enough loads in flight. Past that it is compute-bound:
+    128-row tiles of one warpgroup, two programs per SM, so one program's softmax overlaps the other's matmuls
+    (faster than one 256-row program of 8 warps per SM). K/V blocks come through TMA wherever the pages allow it.
     """
+    if rows <= 16:
+        return SplitConfig(block_m=16, block_n=32, num_warps=4, num_stages=3, programs_per_sm=4, tma=True)
     if rows <= 64:
         return SplitConfig(block_m=64, block_n=64, num_warps=4 if head_dim <= 128 else 8, num_stages=3,
                            programs_per_sm=2, tma=True)
