@@ -25,8 +25,7 @@ class DFlashDrafter:
         cuda_graphs: replay the draft from CUDA graphs where it can (a CUDA model and a context window)."""
         config = model.config
         if model.fc.weight.is_cuda:
-            for layer in model.layers:
-                layer.fuse_projections()
+            model.fuse_projections()
         self.mirrors = DFlashMirrors(model, context_window, max_sessions)
         self.graphs = DraftGraphs(self.mirrors, max_budget, cuda_graphs)
         self.weight = model.fc.weight

@@ -170,8 +170,7 @@ class DFlashMirrors:
         """Store rows of committed features in every layer of bounded mirrors: the K/V of features[i] [N, F] at
         row positions[i] % C of slot slots[i] ([N] int64), all on the model's device. Shapes depend on N alone,
         so a CUDA graph can hold this; rows aimed at dump_slot are padding."""
-        for (keys, values), context in zip(self._kv_rows(features, positions), self.contexts):
-            _scatter(context, slots, positions % context.capacity, positions, keys, values)
+        self.model.store_context(self.model.context_features(features), positions, slots, self.contexts)
 
     @torch.inference_mode()
     def draft_batch(self, steps: Sequence[DraftStep]) -> torch.Tensor:
@@ -225,7 +224,7 @@ class DFlashMirrors:
                 position = rows.positions[kept]
                 scatter[capacity] = tuple(t.to(device) for t in (kept, slots[kept], position % capacity, position))
             kept, slot, ring, position = scatter[capacity]
-            _scatter(context, slot, ring, position, keys[kept], values[kept])
+            context.store(slot, ring, position, keys[kept], values[kept])
         for mirror, end in zip(mirrors, ends):
             mirror.length = end
 
@@ -240,18 +239,10 @@ class DFlashMirrors:
                 self.contexts[layer] = _relayout(context, grown)
 
 
-def _scatter(context: LayerContext, slots: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor,
-             keys: torch.Tensor, values: torch.Tensor) -> None:
-    """Each (slot, row) of the layer takes its position and K/V [N, Hkv, D]."""
-    context.keys[slots, rows] = keys
-    context.values[slots, rows] = values
-    context.positions[slots, rows] = positions
-
-
 def _relayout(old: LayerContext, new: LayerContext) -> LayerContext:
     """Move every held row of `old` into the ring of the larger `new` (position p to row p % capacity)."""
     slot, row = (old.positions >= 0).nonzero(as_tuple=True)
     position = old.positions[slot, row]
     ring = position % new.capacity
-    _scatter(new, slot, ring, position, old.keys[slot, row], old.values[slot, row])
+    new.store(slot, ring, position, old.keys[slot, row], old.values[slot, row])
     return new

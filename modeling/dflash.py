@@ -32,7 +32,8 @@ from torch import nn
 from modeling.checkpoint import iter_tensors
 from modeling.config import ModelConfig, parse_dtype, read_config_json
 from modeling.decoder import DecoderLayer
-from modeling.layers import RMSNorm
+from modeling.layers import RMSNorm, norm_rope
+from modeling.ops import row_ops
 from modeling.rope import RotaryEmbedding
 
 ARCHITECTURE = "DFlashDraftModel"
@@ -136,6 +137,13 @@ class LayerContext:
     def capacity(self) -> int:
         return self.positions.shape[1]
 
+    def store(self, slots: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor,
+              values: torch.Tensor) -> None:
+        """Each (slot, row) takes its position and K/V [N, Hkv, D]."""
+        self.keys[slots, rows] = keys
+        self.values[slots, rows] = values
+        self.positions[slots, rows] = positions
+
 
 def visible_keys(query_pos: torch.Tensor, key_pos: torch.Tensor, context_start: torch.Tensor,
                  window: int | None, causal: bool) -> torch.Tensor:
@@ -217,6 +225,21 @@ class DFlashModel(nn.Module):
         self.embed_tokens = nn.Embedding(vocab_size, hidden)
         self.lm_head = nn.Linear(hidden, vocab_size, bias=False)
         self.rotary = RotaryEmbedding(config.model.rope, config.model.head_dim)
+        self.register_buffer("context_kv", None, persistent=False)  # every layer's K/V weights, once fused
+        self.register_buffer("context_kv_bias", None, persistent=False)
+
+    def fuse_projections(self) -> None:
+        """Each layer's Q/K/V and gate/up as one GEMM (DecoderLayer.fuse_projections), and the context's K/V of
+        every layer as one more: a commit projects its rows into all layers at once, so one stream of those
+        weights (a copy of them, 2L x Hkv x D rows) replaces 2L skinny GEMMs. Idempotent (captured CUDA graphs
+        read the weights in place)."""
+        for layer in self.layers:
+            layer.fuse_projections()
+        if self.context_kv is None:
+            attentions = [layer.self_attn for layer in self.layers]
+            self.context_kv = torch.cat([w for a in attentions for w in (a.k_proj.weight, a.v_proj.weight)])
+            if attentions[0].k_proj.bias is not None:
+                self.context_kv_bias = torch.cat([b for a in attentions for b in (a.k_proj.bias, a.v_proj.bias)])
 
     def context_features(self, target_features: torch.Tensor) -> torch.Tensor:
         """target_features: [N, F] -> [N, H]."""
@@ -226,7 +249,41 @@ class DFlashModel(nn.Module):
         """features: [N, H] (from context_features); positions: [N] -> per layer (K, V), each [N, Hkv, D].
         They depend on the features alone, so a cache of them stays valid across drafts."""
         cos, sin = self.rotary(positions, features.dtype)
-        return [layer.self_attn.key_value(features, cos, sin) for layer in self.layers]
+        if self.context_kv is None:
+            return [layer.self_attn.key_value(features, cos, sin) for layer in self.layers]
+        kv = self._fused_key_values(features)
+        return [(norm_rope(kv[:, i, 0], layer.self_attn.k_norm, cos, sin), kv[:, i, 1])
+                for i, layer in enumerate(self.layers)]
+
+    def store_context(self, features: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                      contexts: Sequence[LayerContext]) -> None:
+        """Row i of features [N, H] (from context_features), at positions[i], into every layer's ring row
+        positions[i] % C of slot slots[i] ([N] int64 each, on the model's device). On CUDA with fused projections
+        one launch a layer (ddtree_kernels.context_rows) normalises, rotates and stores; else `LayerContext.store`.
+        Shapes depend on N alone, so a CUDA graph can hold it."""
+        if self.context_kv is None or not features.is_cuda:
+            rings: dict[int, torch.Tensor] = {}  # capacity -> the rows' ring rows
+            for (keys, values), context in zip(self.context_key_values(features, positions), contexts):
+                ring = rings.get(context.capacity)
+                if ring is None:
+                    ring = rings[context.capacity] = positions % context.capacity
+                context.store(slots, ring, positions, keys, values)
+            return
+        # NOTE: imported here: Triton reads TRITON_INTERPRET at its first import, and CPU machines never need it
+        from ddtree_kernels.context_rows import store_context_rows
+
+        cos, sin = self.rotary(positions, features.dtype)
+        kv = self._fused_key_values(features)
+        for i, (layer, context) in enumerate(zip(self.layers, contexts)):
+            weight, eps = (None, 0.0) if (norm := layer.self_attn.k_norm) is None else (norm.weight, norm.eps)
+            store_context_rows(kv[:, i, 0], kv[:, i, 1], weight, eps, cos, sin, context.keys, context.values,
+                               context.positions, slots, positions)
+
+    def _fused_key_values(self, features: torch.Tensor) -> torch.Tensor:
+        """[N, H] -> every layer's K and V before norm and RoPE, [N, L, 2, Hkv, D], from one GEMM."""
+        model = self.config.model
+        kv = row_ops(features).linear(features, self.context_kv, self.context_kv_bias)
+        return kv.view(features.shape[0], len(self.layers), 2, model.num_kv_heads, model.head_dim)
 
     def draft_logits(self, root_tokens: torch.Tensor, start_positions: torch.Tensor, slots: torch.Tensor,
                      contexts: Sequence[LayerContext], context_window: int | None = None) -> torch.Tensor:

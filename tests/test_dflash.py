@@ -157,6 +157,27 @@ def test_batched_draft_equals_per_session_drafts(variant: str, tmp_path, tiny_ta
                                    atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("variant", ["full", "sliding-W"])
+def test_fused_projections_draft_as_the_separate_ones(variant: str, tmp_path, tiny_target) -> None:
+    """Every layer's context K/V as one GEMM (and each layer's Q/K/V, gate/up as one) drafts what the separate
+    projections draft; a second fuse moves nothing."""
+    overrides, window = VARIANTS[variant]
+    separate = load(tmp_path, tiny_target, overrides)
+    fused = copy.deepcopy(separate)
+    fused.fuse_projections()
+    weights = fused.context_kv
+    fused.fuse_projections()
+    assert fused.context_kv is weights
+    generator = torch.Generator().manual_seed(3)
+    features = [torch.randn(rows, separate.config.feature_dim, generator=generator) for rows in (7, 1, 3)]
+    mirrors = [DFlashMirrors(model, window) for model in (separate, fused)]
+    for m in mirrors:
+        m.open("s", features[0], start_position=0)
+    for step, rows in enumerate(features[1:]):
+        expected, got = (m.draft_batch([mirror_step("s", rows, root=5 + step, step=step)]) for m in mirrors)
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
 def test_weights_load_with_and_without_the_model_prefix(tmp_path, tiny_target) -> None:
     plain = drafter_dir(tmp_path, tiny_target)
     prefixed = tmp_path / "prefixed"
@@ -390,10 +411,13 @@ def test_graph_replays_match_the_eager_draft(dtype: str, tmp_path, tiny_target) 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_commit_graphs_store_what_the_eager_commit_stores(dtype: str, tmp_path, tiny_target) -> None:
     """Every row bucket, commits larger than the largest (in chunks), host and device features, a step of more
-    rows than a layer keeps (eager), a rollback and a reused slot; the captures at warm-up touch no session."""
+    rows than a layer keeps (eager), a rollback and a reused slot; the captures at warm-up touch no session. The
+    graphed commits run the fused projections and the context-rows kernel, the eager ones torch op by op."""
     overrides, window = VARIANTS["sliding-W"]
     model = load(tmp_path, tiny_target, overrides, dtype, "cuda")
-    graphed, eager = DFlashMirrors(model, window, max_sessions=4), DFlashMirrors(model, window, max_sessions=4)
+    fused = copy.deepcopy(model)
+    fused.fuse_projections()
+    graphed, eager = DFlashMirrors(fused, window, max_sessions=4), DFlashMirrors(model, window, max_sessions=4)
     graphs = DraftGraphs(graphed, 8)
     smallest = min(context.capacity for context in graphed.contexts)
     generator = torch.Generator().manual_seed(9)
