@@ -1,13 +1,13 @@
 """One DFlash draft step of S sessions, stage by stage (issue 23: the draft step near its floor).
 
-The stages of `DFlashDrafter.draft`: the commit (each session's newly committed rows projected into its
-mirror's context K/V), the draft (the forward of the block and the per-depth top-k, back on the host) and the
-tree (the DDTree heap per session); then the whole call as the drafter service runs it. Each stage is timed
-alone with the GPU synchronised around it, with the drafts replayed from CUDA graphs and, for comparison,
-launched op by op. The floor is a roofline: the drafter's weights (its layers, fc, the LM head) and every
-session's context K/V read once at the measured copy bandwidth, or the draft's FLOPs at the measured bf16 matmul
-rate, whichever is longer (many sessions make the LM head over their block rows compute-bound). A 5-layer,
-block-16 drafter shaped for the target (random weights), context window W = 1024, every mirror full; the
+The stages of `DFlashDrafter.draft`: the commit (each session's newly committed rows projected into its mirror's
+context K/V), the draft (the forward of the block and the per-depth top-k, left on the device) and the tree (the
+DDTree heap, on a GPU one program per session, and the trees' nodes to the host); then the whole call as the drafter
+service runs it. Each stage is timed alone with the GPU synchronised around it, with the drafts replayed from CUDA
+graphs and, for comparison, launched op by op. The floor is a roofline: the drafter's weights (its layers, fc, the
+LM head) and every session's context K/V read once at the measured copy bandwidth, or the draft's FLOPs at the
+measured bf16 matmul rate, whichever is longer (many sessions make the LM head over their block rows compute-bound).
+A 5-layer, block-16 drafter shaped for the target (random weights), context window W = 1024, every mirror full; the
 committed rows' features start on the host, as they arrive over gRPC.
 
     python benchmarks/draft_step.py [--shape qwen3-8b] [--sessions 1 16 64] [--committed 1 4] [--budget 15]
@@ -37,7 +37,7 @@ from benchmarks.e2e_step import (  # noqa: E402
     write_results,
 )
 from drafter_service.dflash_drafter import DFlashDrafter  # noqa: E402
-from drafter_service.tree_builder import trees_from_top_k  # noqa: E402
+from drafter_service.tree_builder import draft_trees  # noqa: E402
 from modeling.dflash import DFlashConfig, DFlashModel  # noqa: E402
 from modeling.speculation import DrafterSeed, DraftStep  # noqa: E402
 
@@ -89,10 +89,10 @@ def measure(drafter: DFlashDrafter, sessions: int, committed: int, budget: int, 
                 for i, name in enumerate(names)]
 
     batch = mirrors.commit(steps(), drafter.graphs.write)
-    values, ids = drafter.graphs.run(batch, budget)
+    values, ids = drafter.graphs.draft(batch)
     stages = {"commit": lambda: mirrors.commit(steps(), drafter.graphs.write),
-              "draft": lambda: drafter.graphs.run(batch, budget),
-              "tree": lambda: trees_from_top_k(values, ids, [budget] * sessions),
+              "draft": lambda: drafter.graphs.draft(batch),
+              "tree": lambda: draft_trees(values, ids, [budget] * sessions),
               "whole": lambda: drafter.draft(steps())}
     row = {"sessions": sessions, "committed": committed, "budget": budget, "graphs": drafter.graphs.graphed,
            **{f"{stage}_ms": timed(fn) for stage, fn in stages.items()}}

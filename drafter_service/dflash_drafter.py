@@ -12,7 +12,7 @@ from drafter_service.dflash_mirrors import DFlashMirrors
 from drafter_service.draft_graphs import DraftGraphs
 from drafter_service.drafter import DrafterInfo
 from drafter_service.errors import SessionNotFound
-from drafter_service.tree_builder import trees_from_top_k
+from drafter_service.tree_builder import GPU_TREES_FROM, draft_trees
 from modeling.dflash import DFlashModel
 from modeling.speculation import DrafterSeed, DraftStep
 from modeling.tree import DraftTree
@@ -54,8 +54,16 @@ class DFlashDrafter:
         return len(self.graphs.captured) + len(self.graphs.committers)
 
     def warmup(self) -> None:
-        """Capture the draft graph of every batch size now, rather than in the first batch of each size."""
+        """Capture the draft graph of every batch size now, rather than in the first batch of each size; on a GPU,
+        compile the tree kernel for every budget's power of two too (a compile takes about a second)."""
         self.graphs.warmup(functools.partial(track, task="capturing draft CUDA graphs", unit="graphs"))
+        if self.weight.is_cuda:
+            shape = (GPU_TREES_FROM, self.mirrors.block_size - 1, self.info.max_budget)
+            values = torch.zeros(shape, device=self.weight.device)
+            ids = torch.zeros(shape, dtype=torch.long, device=self.weight.device)
+            most = self.info.max_budget
+            for budget in sorted({min(1 << p, most) for p in range((most - 1).bit_length() + 1)}):
+                draft_trees(values, ids, [budget] * GPU_TREES_FROM)
 
     def draft(self, steps: list[DraftStep]) -> list[DraftTree]:
         if not steps:
@@ -74,8 +82,8 @@ class DFlashDrafter:
                 self.mirrors.crop(step.session_id, step.position)  # the verifier rolled back (a stop)
         batch = self.mirrors.commit(checked, self.graphs.write)
         budgets = [min(s.budget, self.info.max_budget) for s in steps]
-        values, ids = self.graphs.run(batch, max(budgets))  # [S, B-1, max budget] on the host
-        return trees_from_top_k(values, ids, budgets)
+        values, ids = self.graphs.draft(batch)  # [S, B-1, K] on the drafter's device
+        return draft_trees(values, ids, budgets)
 
     def close(self, session_id: str) -> None:
         self.mirrors.close(session_id)

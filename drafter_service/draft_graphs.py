@@ -4,12 +4,12 @@ draft forward plus its per-depth top-k (one graph per batch-size bucket).
 Run eagerly, the drafter launches a long chain of small kernels per draft: ~200 for the commit alone (the
 features' projection, each layer's K/V, their scatter into the mirrors), and its log_softmax writes
 S * (B-1) * V floats (V = 152k for Qwen3) for the top-k to read K of them. A replay is one launch; inside
-it the top-k turns only the K kept logits into log-probs, and only the [S, B-1, K] results travel to the
-host, where the DDTree heap runs. Every shape in a graph comes from its bucket: the mirror's slot buffers
-never move (a bounded context window), a batch names its sessions by slot, a batch smaller than its
-bucket is padded with repeats of its first session, whose outputs are dropped, and a commit's padding rows
-go to the mirrors' dump slot. The rows' features reach the device in one copy from pinned memory. On the CPU,
-with graphs off, or with an unbounded layer (no W), the same functions run eagerly.
+it the top-k turns only the K kept logits into log-probs, and the DDTree heap runs on the GPU after it
+(`tree_builder.draft_trees`): only the trees' nodes travel to the host. Every shape in a graph comes from its
+bucket: the mirror's slot buffers never move (a bounded context window), a batch names its sessions by slot, a
+batch smaller than its bucket is padded with repeats of its first session, whose outputs are dropped, and a
+commit's padding rows go to the mirrors' dump slot. The rows' features reach the device in one copy from pinned
+memory. On the CPU, with graphs off, or with an unbounded layer (no W), the same functions run eagerly.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ class _Rows(NamedTuple):
 
 class DraftGraphs:
     """Commits a draft step's rows and drafts a batch of committed mirrors down to ranked per-depth top-k
-    lists on the host."""
+    lists."""
 
     def __init__(self, mirrors: DFlashMirrors, top_k: int, cuda_graphs: bool = True):
         """top_k: K, the ranks kept per depth (the largest tree budget served)."""
@@ -61,9 +61,9 @@ class DraftGraphs:
             self.pool = torch.cuda.graph_pool_handle()  # NOTE: buckets never replay at once, so they share memory
 
     @torch.inference_mode()
-    def run(self, inputs: DraftBatch, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> the `width` best log-probs (fp32) and token ids per depth, ranked best first with ties by token
-        id (ddtree's contract), [S, B-1, width] on the host."""
+    def draft(self, inputs: DraftBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> the K best log-probs (fp32) and token ids per depth, ranked best first with ties by token id
+        (ddtree's contract), [S, B-1, K] on the drafter's device; a replay's are rewritten by the next one."""
         count = len(inputs.slots)
         if self.graphed:
             size = next(b for b in self.buckets if b >= count)
@@ -74,7 +74,7 @@ class DraftGraphs:
             values, ids = captured.values, captured.ids
         else:
             values, ids = self._forward(*torch.tensor(inputs, device=self.device))
-        return _to_host(values[:count, :, :width], ids[:count, :, :width])
+        return values[:count], ids[:count]
 
     @torch.inference_mode()
     def write(self, rows: RowBatch) -> None:
@@ -153,10 +153,3 @@ def _row_buffers(mirrors: DFlashMirrors, rows: int) -> _Rows:
                  torch.zeros(shape, dtype=weight.dtype, pin_memory=True),
                  torch.zeros(2, rows, dtype=torch.long, pin_memory=True))
 
-
-def _to_host(*tensors: torch.Tensor) -> list[torch.Tensor]:
-    """CPU copies of the tensors, with one wait for all of them when they are on a GPU."""
-    copies = [t.to("cpu", non_blocking=True) for t in tensors]
-    if tensors[0].is_cuda:
-        torch.cuda.current_stream(tensors[0].device).synchronize()
-    return copies

@@ -4,7 +4,8 @@ docs/design.md section 4. The drafter gives one log-probability row per depth (t
 every node at that depth), so a node's path log-prob is the sum of its ranks' log-probs along the path
 and the best `budget` prefixes can be popped best-first from a heap. The top-k runs on the drafter's
 device; the heap runs on the CPU over plain Python floats (no per-node tensor ops), which keeps it a
-small share of the build next to the top-k (benchmarks/results/ddtree_builder.md).
+small share of the build next to the top-k (benchmarks/results/ddtree_builder.md). On a GPU a batch's trees
+are built there instead, one program per session (`draft_trees`).
 
 Tie-breaking (deterministic, documented because acceptance depends on it):
 - within a depth, equal log-probs are ranked by token id, lowest first (among the top-k kept; which
@@ -21,6 +22,10 @@ import torch
 
 from modeling.ops import row_ops
 from modeling.tree import DraftTree
+
+# a GPU batch of this many sessions builds its trees on the GPU: on an H100 a launch and its copies cost ~0.2 ms
+# against ~20 us a session for the host heap (benchmarks/results/draft_commit_graphs.md)
+GPU_TREES_FROM = 16
 
 
 def rank_top_k(values: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -107,3 +112,27 @@ def trees_from_top_k(values: torch.Tensor, ids: torch.Tensor, budgets: list[int]
     of a top-b, since a rank-r node needs its r better siblings in the tree first.
     """
     return [best_first_tree(v[:, :b].tolist(), i[:, :b].tolist(), b) for v, i, b in zip(values, ids, budgets)]
+
+
+def draft_trees(values: torch.Tensor, ids: torch.Tensor, budgets: list[int]) -> list[DraftTree]:
+    """trees_from_top_k for rows on any device. A GPU batch of GPU_TREES_FROM sessions or more builds its trees
+    there, one program per session (ddtree_kernels.best_first_tree, the same trees), and only their nodes come to
+    the host; a smaller one brings the first max(budgets) ranks to the host heap."""
+    if values.is_cuda and len(budgets) >= GPU_TREES_FROM:
+        return _gpu_trees(values, ids, budgets)
+    width = max(budgets, default=0)
+    host = [rows[..., :width].to("cpu", non_blocking=True) for rows in (values, ids)]
+    if values.is_cuda:
+        torch.cuda.current_stream(values.device).synchronize()
+    return trees_from_top_k(*host, budgets)
+
+
+def _gpu_trees(values: torch.Tensor, ids: torch.Tensor, budgets: list[int]) -> list[DraftTree]:
+    from ddtree_kernels.best_first_tree import best_first_trees  # NOTE: Triton loads only where it runs
+
+    wanted = torch.tensor(budgets, dtype=torch.int64).to(values.device, non_blocking=True)
+    arrays = [t.to("cpu", non_blocking=True) for t in best_first_trees(values, ids, wanted)]
+    torch.cuda.current_stream(values.device).synchronize()
+    tokens, parents, depths, scores, counts = (t.tolist() for t in arrays)
+    return [DraftTree(tuple(tokens[s][:n]), tuple(parents[s][:n]), tuple(depths[s][:n]), tuple(scores[s][:n]))
+            for s, n in enumerate(counts)]
