@@ -39,7 +39,8 @@ def ctrl_c_cancels(generation: Generation, interrupted: threading.Event) -> Iter
 
     def cancel(signum: int, frame: object) -> None:
         interrupted.set()
-        generation.cancel()
+        # NOTE: from a thread of its own: the handler may run while this thread is inside gRPC's own calls
+        threading.Thread(target=generation.cancel, name="ctrl-c", daemon=True).start()
 
     previous = signal.signal(signal.SIGINT, cancel)
     try:
