@@ -130,9 +130,10 @@ def draft_trees(values: torch.Tensor, ids: torch.Tensor, budgets: list[int]) -> 
 def _gpu_trees(values: torch.Tensor, ids: torch.Tensor, budgets: list[int]) -> list[DraftTree]:
     from ddtree_kernels.best_first_tree import best_first_trees  # NOTE: Triton loads only where it runs
 
-    wanted = torch.tensor(budgets, dtype=torch.int64).to(values.device, non_blocking=True)
-    arrays = [t.to("cpu", non_blocking=True) for t in best_first_trees(values, ids, wanted)]
-    torch.cuda.current_stream(values.device).synchronize()
+    with torch.cuda.device(values.device):  # NOTE: the launch goes to the calling thread's device, maybe another
+        wanted = torch.tensor(budgets, dtype=torch.int64).to(values.device, non_blocking=True)
+        arrays = [t.to("cpu", non_blocking=True) for t in best_first_trees(values, ids, wanted)]
+        torch.cuda.current_stream(values.device).synchronize()
     tokens, parents, depths, scores, counts = (t.tolist() for t in arrays)
     return [DraftTree(tuple(tokens[s][:n]), tuple(parents[s][:n]), tuple(depths[s][:n]), tuple(scores[s][:n]))
             for s, n in enumerate(counts)]
