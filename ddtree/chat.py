@@ -10,12 +10,9 @@ speed. Ctrl-C stops the answer being written; the session keeps what was generat
 from __future__ import annotations
 
 import argparse
-import contextlib
 import signal
 import sys
-import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 from ddtree.client import Client, GatewayError, Generation
@@ -26,27 +23,6 @@ HELP = """/fork   continue on a fork of the session (the current one stays as it
 /stats  acceptance and speed of the answers so far
 /quit   leave (Ctrl-D too); Ctrl-C stops an answer"""
 IDLE_WAIT_S = 10.0  # how long a stopped answer may take to let go of its session
-
-
-@contextlib.contextmanager
-def ctrl_c_cancels(generation: Generation, interrupted: threading.Event) -> Iterator[None]:
-    """Within the block, Ctrl-C cancels the call (the stream then ends with CANCELLED) and sets `interrupted`.
-    Raised wherever the main thread happens to be, a KeyboardInterrupt inside gRPC's stream iterator was seen
-    lost under load: the answer then ran to its end. Off the main thread Ctrl-C is left as it is."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def cancel(signum: int, frame: object) -> None:
-        interrupted.set()
-        # NOTE: from a thread of its own: the handler may run while this thread is inside gRPC's own calls
-        threading.Thread(target=generation.cancel, name="ctrl-c", daemon=True).start()
-
-    previous = signal.signal(signal.SIGINT, cancel)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
 
 
 @dataclass
@@ -90,21 +66,19 @@ class Chat:
         if self.session is None and self.system:
             messages.insert(0, {"role": "system", "content": self.system})
         generation = self.client.chat(messages, session=self.session, keep_session=True, **self.options)
-        interrupted = threading.Event()
         try:
-            with ctrl_c_cancels(generation, interrupted):
-                stream(generation)
-        except (KeyboardInterrupt, GatewayError) as error:
-            if isinstance(error, GatewayError) and not interrupted.is_set():
-                if generation.text:
-                    print()  # the partial answer ends its line; the error follows
-                raise
+            stream(generation)
+        except KeyboardInterrupt:
             generation.cancel()
             # NOTE: a first answer's handle comes with its summary: stopped before it, the session is unnamed here
             # (the gateway releases it once it idles out) and the next message starts a new conversation.
             print("\n[stopped]" if self.session else "\n[stopped; the next message starts a new conversation]")
             self._wait_until_idle()
-        else:  # NOTE: a Ctrl-C after the last chunk came finds the answer whole
+        except GatewayError:
+            if generation.text:
+                print()  # the partial answer ends its line; the error follows
+            raise
+        else:
             print()
             self.session = generation.summary.session
         self.last = Stats()
@@ -168,6 +142,10 @@ class Chat:
 def _chat(args: argparse.Namespace, client: Client) -> None:
     if sys.stdin.isatty():
         import readline  # noqa: F401 - line editing and history for input()
+
+        # NOTE: Ctrl-C is how a chat stops an answer: started with SIGINT ignored (a script's background job inherits
+        # that), it would raise nothing and the answer would run to its end
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     model = client.info().model.name or "the model"
     print(f"[chat with {model} at {args.gateway}; /help lists the commands]")
     Chat(client, sampling_options(args), args.system, args.session).run()

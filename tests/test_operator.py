@@ -186,9 +186,6 @@ def test_ctrl_c_stops_the_answer_not_the_conversation(served) -> None:
             session, tokens = stats(terminal)
             assert session == handle.summary.session and start < tokens < start + 4000
             assert not client.get_session(session).generating
-            # NOTE: readline draws the prompt before it waits for input; a SIGINT in between is seen only at the next
-            # key (CPython's readline loop checks signals when its select() is interrupted), so let it start waiting
-            time.sleep(0.5)
             terminal.type("\x03")  # at the prompt: a reminder, nothing more
             terminal.expect(r"\[/quit or Ctrl-D leaves\]")
             assert stats(terminal) == (session, tokens)
