@@ -24,8 +24,10 @@ from ddtree.readiness import Readiness, check, gateway_row, verifier_row
 from proto import gateway_pb2, verifier_pb2
 
 # The child makes the pseudo-terminal its controlling terminal, as a login shell does: Ctrl-C typed there is a
-# SIGINT to it. (No fork in this process: grpc threads run here.)
-ON_A_TERMINAL = ("import fcntl, os, sys, termios; fcntl.ioctl(0, termios.TIOCSCTTY, 0); "
+# SIGINT to it. It starts the command with SIGINT ignored, as a script's background job does, which a chat must
+# undo to hear Ctrl-C. (No fork in this process: grpc threads run here.)
+ON_A_TERMINAL = ("import fcntl, os, signal, sys, termios; fcntl.ioctl(0, termios.TIOCSCTTY, 0); "
+                 "signal.signal(signal.SIGINT, signal.SIG_IGN); "
                  "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])")
 HANDLE = r"[\w-]+"
 # The verifier's default 256 MiB of KV over the tiny model's 1 KiB per token (4 layers, K and V, 2 heads of 16 fp32)
