@@ -61,8 +61,8 @@ class DFlashDrafter:
             shape = (GPU_TREES_FROM, self.mirrors.block_size - 1, self.info.max_budget)
             values = torch.zeros(shape, device=self.weight.device)
             ids = torch.zeros(shape, dtype=torch.long, device=self.weight.device)
-            most = self.info.max_budget
-            for budget in sorted({min(1 << p, most) for p in range((most - 1).bit_length() + 1)}):
+            most = self.info.max_budget  # NOTE: a budget compiles the kernel for its next power of two
+            for budget in [min(1 << p, most) for p in range((most - 1).bit_length() + 1)] if most > 0 else []:
                 draft_trees(values, ids, [budget] * GPU_TREES_FROM)
 
     def draft(self, steps: list[DraftStep]) -> list[DraftTree]:

@@ -118,22 +118,27 @@ def draft_trees(values: torch.Tensor, ids: torch.Tensor, budgets: list[int]) -> 
     """trees_from_top_k for rows on any device. A GPU batch of GPU_TREES_FROM sessions or more builds its trees
     there, one program per session (ddtree_kernels.best_first_tree, the same trees), and only their nodes come to
     the host; a smaller one brings the first max(budgets) ranks to the host heap."""
-    if values.is_cuda and len(budgets) >= GPU_TREES_FROM:
-        return _gpu_trees(values, ids, budgets)
-    width = max(budgets, default=0)
-    host = [rows[..., :width].to("cpu", non_blocking=True) for rows in (values, ids)]
-    if values.is_cuda:
-        torch.cuda.current_stream(values.device).synchronize()
-    return trees_from_top_k(*host, budgets)
-
-
-def _gpu_trees(values: torch.Tensor, ids: torch.Tensor, budgets: list[int]) -> list[DraftTree]:
+    if not (values.is_cuda and len(budgets) >= GPU_TREES_FROM):
+        width = max(budgets, default=0)
+        return trees_from_top_k(*_to_host(values[..., :width], ids[..., :width]), budgets)
     from ddtree_kernels.best_first_tree import best_first_trees  # NOTE: Triton loads only where it runs
 
     with torch.cuda.device(values.device):  # NOTE: the launch goes to the calling thread's device, maybe another
         wanted = torch.tensor(budgets, dtype=torch.int64).to(values.device, non_blocking=True)
-        arrays = [t.to("cpu", non_blocking=True) for t in best_first_trees(values, ids, wanted)]
-        torch.cuda.current_stream(values.device).synchronize()
-    tokens, parents, depths, scores, counts = (t.tolist() for t in arrays)
+        return trees_from_nodes(*_to_host(*best_first_trees(values, ids, wanted)))
+
+
+def trees_from_nodes(tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor, scores: torch.Tensor,
+                     counts: torch.Tensor) -> list[DraftTree]:
+    """The trees of ddtree_kernels.best_first_trees' node arrays ([S, M] each, counts [S]), on the host."""
+    tokens, parents, depths, scores, counts = (t.tolist() for t in (tokens, parents, depths, scores, counts))
     return [DraftTree(tuple(tokens[s][:n]), tuple(parents[s][:n]), tuple(depths[s][:n]), tuple(scores[s][:n]))
             for s, n in enumerate(counts)]
+
+
+def _to_host(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    """CPU copies of the tensors, with one wait for all of them when they are on a GPU."""
+    copies = [t.to("cpu", non_blocking=True) for t in tensors]
+    if tensors[0].is_cuda:
+        torch.cuda.current_stream(tensors[0].device).synchronize()
+    return copies

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from ddtree_kernels.best_first_tree import best_first_trees
-from drafter_service.tree_builder import draft_trees, top_k_per_depth, trees_from_top_k
+from drafter_service.tree_builder import draft_trees, top_k_per_depth, trees_from_nodes, trees_from_top_k
 from modeling.tree import DraftTree
 
 GPU = torch.cuda.is_available()
@@ -31,10 +31,8 @@ def ranked_rows(sessions: int, depths: int, vocab: int, width: int, seed: int, h
 
 
 def kernel_trees(values: torch.Tensor, ids: torch.Tensor, budgets: list[int]) -> list[DraftTree]:
-    tokens, parents, depths, scores, counts = (t.cpu().tolist() for t in best_first_trees(
-        values.to(DEVICE), ids.to(DEVICE), torch.tensor(budgets, device=DEVICE)))
-    return [DraftTree(tuple(tokens[s][:n]), tuple(parents[s][:n]), tuple(depths[s][:n]), tuple(scores[s][:n]))
-            for s, n in enumerate(counts)]
+    nodes = best_first_trees(values.to(DEVICE), ids.to(DEVICE), torch.tensor(budgets, device=DEVICE))
+    return trees_from_nodes(*(t.cpu() for t in nodes))
 
 
 @pytest.mark.parametrize("seed", range(8 if not GPU else 200))
