@@ -89,9 +89,9 @@ def measure(drafter: DFlashDrafter, sessions: int, committed: int, budget: int, 
                 for i, name in enumerate(names)]
 
     batch = mirrors.commit(steps(), drafter.graphs.write)
-    values, ids = drafter.graphs.draft(batch)
+    values, ids = drafter.graphs.draft(batch, budget)
     stages = {"commit": lambda: mirrors.commit(steps(), drafter.graphs.write),
-              "draft": lambda: drafter.graphs.draft(batch),
+              "draft": lambda: drafter.graphs.draft(batch, budget),
               "tree": lambda: draft_trees(values, ids, [budget] * sessions),
               "whole": lambda: drafter.draft(steps())}
     row = {"sessions": sessions, "committed": committed, "budget": budget, "graphs": drafter.graphs.graphed,

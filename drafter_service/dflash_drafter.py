@@ -12,7 +12,7 @@ from drafter_service.dflash_mirrors import DFlashMirrors
 from drafter_service.draft_graphs import DraftGraphs
 from drafter_service.drafter import DrafterInfo
 from drafter_service.errors import SessionNotFound
-from drafter_service.tree_builder import GPU_TREES_FROM, draft_trees
+from drafter_service.tree_builder import GPU_TREES_FROM, draft_trees, top_k_log_probs
 from modeling.dflash import DFlashModel
 from modeling.speculation import DrafterSeed, DraftStep
 from modeling.tree import DraftTree
@@ -27,7 +27,7 @@ class DFlashDrafter:
         if model.fc.weight.is_cuda:
             model.fuse_projections()
         self.mirrors = DFlashMirrors(model, context_window, max_sessions)
-        self.graphs = DraftGraphs(self.mirrors, max_budget, cuda_graphs)
+        self.graphs = DraftGraphs(self.mirrors, cuda_graphs)
         self.weight = model.fc.weight
         self.info = DrafterInfo("dflash", config.block_size, context_window, tuple(config.target_layer_ids),
                                 config.feature_dim, max_budget, str(self.weight.dtype).removeprefix("torch."),
@@ -55,15 +55,14 @@ class DFlashDrafter:
 
     def warmup(self) -> None:
         """Capture the draft graph of every batch size now, rather than in the first batch of each size; on a GPU,
-        compile the tree kernel for every budget's power of two too (a compile takes about a second)."""
+        compile the top-k and tree kernels for every budget's power of two too (a compile takes about a second)."""
         self.graphs.warmup(functools.partial(track, task="capturing draft CUDA graphs", unit="graphs"))
         if self.weight.is_cuda:
-            shape = (GPU_TREES_FROM, self.mirrors.block_size - 1, self.info.max_budget)
-            values = torch.zeros(shape, device=self.weight.device)
-            ids = torch.zeros(shape, dtype=torch.long, device=self.weight.device)
-            most = self.info.max_budget  # NOTE: a budget compiles the kernel for its next power of two
+            vocab = self.mirrors.model.lm_head.weight.shape[0]
+            logits = self.weight.new_zeros(GPU_TREES_FROM, self.mirrors.block_size - 1, vocab)
+            most = self.info.max_budget  # NOTE: a budget compiles the kernels for its next power of two
             for budget in [min(1 << p, most) for p in range((most - 1).bit_length() + 1)] if most > 0 else []:
-                draft_trees(values, ids, [budget] * GPU_TREES_FROM)
+                draft_trees(*top_k_log_probs(logits, budget), [budget] * GPU_TREES_FROM)
 
     def draft(self, steps: list[DraftStep]) -> list[DraftTree]:
         if not steps:
@@ -82,7 +81,7 @@ class DFlashDrafter:
                 self.mirrors.crop(step.session_id, step.position)  # the verifier rolled back (a stop)
         batch = self.mirrors.commit(checked, self.graphs.write)
         budgets = [min(s.budget, self.info.max_budget) for s in steps]
-        values, ids = self.graphs.draft(batch)  # [S, B-1, K] on the drafter's device
+        values, ids = self.graphs.draft(batch, max(1, *budgets))  # [S, B-1, K] on the drafter's device
         return draft_trees(values, ids, budgets)
 
     def close(self, session_id: str) -> None:

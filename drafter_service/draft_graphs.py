@@ -1,11 +1,12 @@
 """A draft step replayed from CUDA graphs: the commit of the step's rows (one graph per row-count bucket) and the
-draft forward plus its per-depth top-k (one graph per batch-size bucket).
+draft forward down to its logits (one graph per batch-size bucket), then the per-depth top-k.
 
 Run eagerly, the drafter launches a long chain of small kernels per draft: ~200 for the commit alone (the
-features' projection, each layer's K/V, their scatter into the mirrors), and its log_softmax writes
-S * (B-1) * V floats (V = 152k for Qwen3) for the top-k to read K of them. A replay is one launch; inside
-it the top-k turns only the K kept logits into log-probs, and the DDTree heap runs on the GPU after it
-(`tree_builder.draft_trees`): only the trees' nodes travel to the host. Every shape in a graph comes from its
+features' projection, each layer's K/V, their scatter into the mirrors). A replay is one launch. The top-k runs
+after it, on the batch's rows only and as wide as the batch's largest budget (three launches, queued while the
+replay runs; a graph would fix K at the largest budget served, 255 by default), and turns only the K kept logits
+into log-probs; the DDTree heap follows on the GPU (`tree_builder.draft_trees`): only the trees' nodes travel to
+the host. Every shape in a graph comes from its
 bucket: the mirror's slot buffers never move (a bounded context window), a batch names its sessions by slot, a
 batch smaller than its bucket is padded with repeats of its first session, whose outputs are dropped, and a
 commit's padding rows go to the mirrors' dump slot. The rows' features reach the device in one copy from pinned
@@ -26,8 +27,7 @@ from modeling.graph_capture import buckets, capture
 
 class _Captured(NamedTuple):
     graph: torch.cuda.CUDAGraph
-    values: torch.Tensor  # [bucket, B-1, K] fp32, rewritten by every replay
-    ids: torch.Tensor  # [bucket, B-1, K] int64
+    logits: torch.Tensor  # [bucket, B-1, V], rewritten by every replay
 
 
 class _Rows(NamedTuple):
@@ -44,9 +44,8 @@ class DraftGraphs:
     """Commits a draft step's rows and drafts a batch of committed mirrors down to ranked per-depth top-k
     lists."""
 
-    def __init__(self, mirrors: DFlashMirrors, top_k: int, cuda_graphs: bool = True):
-        """top_k: K, the ranks kept per depth (the largest tree budget served)."""
-        self.mirrors, self.top_k = mirrors, top_k
+    def __init__(self, mirrors: DFlashMirrors, cuda_graphs: bool = True):
+        self.mirrors = mirrors
         self.device = device = mirrors.model.fc.weight.device
         # NOTE: a graph reads the slot buffers at their capture-time addresses; only bounded ones keep them.
         self.graphed = cuda_graphs and device.type == "cuda" and mirrors.bounded
@@ -61,20 +60,18 @@ class DraftGraphs:
             self.pool = torch.cuda.graph_pool_handle()  # NOTE: buckets never replay at once, so they share memory
 
     @torch.inference_mode()
-    def draft(self, inputs: DraftBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> the K best log-probs (fp32) and token ids per depth, ranked best first with ties by token id
-        (ddtree's contract), [S, B-1, K] on the drafter's device; a replay's are rewritten by the next one."""
+    def draft(self, inputs: DraftBatch, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> the k best log-probs (fp32) and token ids per depth, ranked best first with ties by token id
+        (ddtree's contract), [S, B-1, k] on the drafter's device."""
         count = len(inputs.slots)
-        if self.graphed:
-            size = next(b for b in self.buckets if b >= count)
-            with torch.cuda.device(self.device):  # NOTE: the calling thread's current device may be another
-                self._upload(inputs, size)
-                captured = self.captured.get(size) or self._capture(size)
-                captured.graph.replay()
-            values, ids = captured.values, captured.ids
-        else:
-            values, ids = self._forward(*torch.tensor(inputs, device=self.device))
-        return values[:count], ids[:count]
+        if not self.graphed:
+            return top_k_log_probs(self._forward(*torch.tensor(inputs, device=self.device)), k)
+        size = next(b for b in self.buckets if b >= count)
+        with torch.cuda.device(self.device):  # NOTE: the calling thread's current device may be another
+            self._upload(inputs, size)
+            captured = self.captured.get(size) or self._capture(size)
+            captured.graph.replay()
+            return top_k_log_probs(captured.logits[:count], k)
 
     @torch.inference_mode()
     def write(self, rows: RowBatch) -> None:
@@ -99,11 +96,10 @@ class DraftGraphs:
             with torch.cuda.device(self.device):
                 capture_one(size)
 
-    def _forward(self, slots: torch.Tensor, roots: torch.Tensor, starts: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        # slots, roots, starts: [S] -> ranked top-k log-probs and ids [S, B-1, K]
+    def _forward(self, slots: torch.Tensor, roots: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
+        # slots, roots, starts: [S] -> logits [S, B-1, V]
         mirrors = self.mirrors
-        logits = mirrors.model.draft_logits(roots, starts, slots, mirrors.contexts, mirrors.context_window)
-        return top_k_log_probs(logits, self.top_k)
+        return mirrors.model.draft_logits(roots, starts, slots, mirrors.contexts, mirrors.context_window)
 
     def _upload(self, inputs: DraftBatch, size: int) -> None:
         count = len(inputs.slots)
@@ -140,8 +136,8 @@ class DraftGraphs:
 
     def _capture(self, size: int) -> _Captured:
         slots, roots, starts = self.inputs[:, :size]
-        graph, (values, ids) = capture(lambda: self._forward(slots, roots, starts), self.device, self.pool)
-        self.captured[size] = _Captured(graph, values, ids)
+        graph, logits = capture(lambda: self._forward(slots, roots, starts), self.device, self.pool)
+        self.captured[size] = _Captured(graph, logits)
         return self.captured[size]
 
 

@@ -9,7 +9,7 @@ are built there instead, one program per session (`draft_trees`).
 
 Tie-breaking (deterministic, documented because acceptance depends on it):
 - within a depth, equal log-probs are ranked by token id, lowest first (among the top-k kept; which
-  tokens tie at the k-th boundary is torch.topk's choice);
+  tokens tie at the k-th boundary is the top-k's choice);
 - in the heap, equal path log-probs pop shallower first, then the child of the earlier node, then the
   lower rank. This key is a total order, so the tree never depends on heap internals.
 """
@@ -20,23 +20,12 @@ import heapq
 
 import torch
 
-from modeling.ops import row_ops
+from modeling.ops import rank_top_k, row_ops
 from modeling.tree import DraftTree
 
 # a GPU batch of this many sessions builds its trees on the GPU: on an H100 a launch and its copies cost ~0.2 ms
 # against ~20 us a session for the host heap (benchmarks/results/draft_commit_graphs.md)
 GPU_TREES_FROM = 16
-
-
-def rank_top_k(values: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Order top-k rows by (value desc, token id asc): topk's order among equal values is unspecified.
-
-    values, ids: [..., K] -> the same entries, reordered along the last dim; on their own device.
-    """
-    ids, by_id = torch.sort(ids, dim=-1)
-    values = torch.gather(values, -1, by_id)
-    values, by_value = torch.sort(values, dim=-1, descending=True, stable=True)
-    return values, torch.gather(ids, -1, by_value)
 
 
 def top_k_per_depth(logp: torch.Tensor, budget: int, top_k: int | None = None) -> tuple[list, list]:
@@ -54,11 +43,11 @@ def top_k_log_probs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.T
     """The k most probable tokens per row with their log-probs, ranked as top_k_per_depth ranks them.
 
     Only the k kept logits become log-probs (minus the row's fp32 logsumexp): no [..., V] log_softmax is written,
-    and the logits are read in their own dtype (a bf16 value is exact in fp32, so the top-k is the same).
+    and the logits are read in their own dtype (a bf16 value is exact in fp32, so the top-k is the same); on CUDA
+    in two reads of the row (ddtree_kernels/row_top_k.py).
     logits: [..., V] -> (fp32 log-probs, token ids), each [..., min(k, V)], on logits' device.
     """
-    values, ids = torch.topk(logits, min(k, logits.shape[-1]), dim=-1, sorted=True)
-    return rank_top_k(values.float() - row_ops(logits).logsumexp(logits)[..., None], ids)
+    return row_ops(logits).top_k_log_probs(logits, k)
 
 
 def best_first_tree(values: list[list[float]], ids: list[list[int]], budget: int) -> DraftTree:

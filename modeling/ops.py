@@ -47,6 +47,13 @@ class TorchRowOps:
         """The fp32 log-sum-exp of each row of x ([..., C] -> [...]), as accurate as over x in fp32."""
         return torch.logsumexp(x.float(), dim=-1)
 
+    def top_k_log_probs(self, logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The k most probable tokens of each row with their log-probs (logit - the row's fp32 log-sum-exp),
+        ranked by (log-prob desc, token id asc); logits [..., V] -> fp32 values and int64 ids, each
+        [..., min(k, V)]. Which of the tokens tied at the k-th value are kept is the implementation's choice."""
+        values, ids = torch.topk(logits, min(k, logits.shape[-1]), dim=-1, sorted=True)
+        return rank_top_k(values.float() - self.logsumexp(logits)[..., None], ids)
+
     def norm_rope(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor,
                   sin: torch.Tensor) -> torch.Tensor:
         """The per-head norm (none when weight is None) and RoPE; x: [N, H, D], cos and sin: [N, D]."""
@@ -69,9 +76,10 @@ class TritonRowOps(TorchRowOps):
     def __init__(self) -> None:
         # NOTE: imported here, not at module level: Triton reads TRITON_INTERPRET once, at its first import
         # (tests/conftest.py sets it), and machines without CUDA never need it.
-        from ddtree_kernels import fused_layer_ops, row_logsumexp, skinny_gemm
+        from ddtree_kernels import fused_layer_ops, row_logsumexp, row_top_k, skinny_gemm
 
-        self.fused, self.gemm, self.row_logsumexp = fused_layer_ops, skinny_gemm, row_logsumexp
+        self.fused, self.gemm = fused_layer_ops, skinny_gemm
+        self.row_logsumexp, self.row_top_k = row_logsumexp, row_top_k
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.gemm.fits(x, weight):
@@ -92,6 +100,9 @@ class TritonRowOps(TorchRowOps):
     def logsumexp(self, x: torch.Tensor) -> torch.Tensor:
         return self.row_logsumexp.logsumexp(x)
 
+    def top_k_log_probs(self, logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.row_top_k.top_k_log_probs(logits, k)
+
     def add_rms_norm(self, x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
         return self.fused.add_rms_norm(x, delta, weight, eps)
@@ -108,6 +119,17 @@ class TritonRowOps(TorchRowOps):
         k_out, v_out = kv_out or (torch.empty_like(k), torch.empty_like(v))
         q = self.fused.qkv_norm_rope(q, k, v, q_weight, k_weight, eps, cos, sin, k_out, v_out)
         return q, k_out, v_out
+
+
+def rank_top_k(values: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Order top-k rows by (value desc, token id asc): topk's order among equal values is unspecified.
+
+    values, ids: [..., K] -> the same entries, reordered along the last dim; on their own device.
+    """
+    ids, by_id = torch.sort(ids, dim=-1)
+    values = torch.gather(values, -1, by_id)
+    values, by_value = torch.sort(values, dim=-1, descending=True, stable=True)
+    return values, torch.gather(ids, -1, by_value)
 
 
 _TORCH_ROW_OPS = TorchRowOps()
