@@ -6,11 +6,11 @@ features' projection, each layer's K/V, their scatter into the mirrors). A repla
 after it, on the batch's rows only and as wide as the batch's largest budget (three launches, queued while the
 replay runs; a graph would fix K at the largest budget served, 255 by default), and turns only the K kept logits
 into log-probs; the DDTree heap follows on the GPU (`tree_builder.draft_trees`): only the trees' nodes travel to
-the host. Every shape in a graph comes from its
-bucket: the mirror's slot buffers never move (a bounded context window), a batch names its sessions by slot, a
-batch smaller than its bucket is padded with repeats of its first session, whose outputs are dropped, and a
-commit's padding rows go to the mirrors' dump slot. The rows' features reach the device in one copy from pinned
-memory. On the CPU, with graphs off, or with an unbounded layer (no W), the same functions run eagerly.
+the host. Every shape in a graph comes from its bucket: the mirror's slot buffers never move (a bounded context
+window), a batch names its sessions by slot, a batch smaller than its bucket is padded with repeats of its first
+session, whose outputs are dropped, and a commit's padding rows go to the mirrors' dump slot. The rows' features
+reach the device in one copy from pinned memory. On the CPU, with graphs off, or with an unbounded layer (no W),
+the same functions run eagerly.
 """
 
 from __future__ import annotations
