@@ -1,8 +1,8 @@
 """Prefill of one long prompt (time to first token, without the network) on one GPU, side by side:
 
 - this engine: `Engine.create_session` of N tokens in chunks of C (C <= 256: every chunk through the Triton
-  verify kernels, as before; longer: the prefill path, ddtree_kernels.prefill_attention; for MLA shapes its
-  expanded form), random bf16 weights;
+  verify kernels, replayed from CUDA graphs as in a server; longer: the prefill path,
+  ddtree_kernels.prefill_attention, for MLA shapes in its expanded form), random bf16 weights;
 - HF transformers' model of the same shape with SDPA attention, prefilled in 8k chunks into its DynamicCache
   (`logits_to_keep=1`, as a server would);
 - the FLOP floor: (2 x the layers' active weights x N + causal attention over N^2 / 2 token pairs) / the bf16
@@ -68,7 +68,7 @@ def prompt(tokens: int, vocab: int) -> list[int]:
 def engine_for(model: CausalLM, device: str, tokens: int, chunk: int) -> Engine:
     page_bytes = KVCache.page_bytes(model.config, 64, torch.bfloat16)
     return Engine(model, EngineConfig(page_size=64, kv_budget_bytes=(tokens // 64 + 8) * page_bytes,
-                                      dtype="bfloat16", device=device, prefill_chunk=chunk, cuda_graphs=False,
+                                      dtype="bfloat16", device=device, prefill_chunk=chunk,
                                       attention="triton" if device == "cuda" else "torch", max_context=tokens + 64))
 
 

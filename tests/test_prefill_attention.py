@@ -132,7 +132,6 @@ def test_long_prefill_chunks_equal_short_ones(request, backend: dict, model: str
 def test_prefill_chunk_defaults() -> None:
     from verifier_service.engine.config import LONG_PREFILL_CHUNK, TRITON_MAX_BLOCK, EngineConfig
 
-    assert EngineConfig().chunk_for(False) == TRITON_MAX_BLOCK  # the CPU
-    assert EngineConfig(device="cuda", attention="triton").chunk_for(False) == LONG_PREFILL_CHUNK
-    assert EngineConfig(device="cuda", attention="triton").chunk_for(True) == TRITON_MAX_BLOCK
-    assert EngineConfig(device="cuda", attention="triton", prefill_chunk=1024).chunk_for(True) == 1024
+    assert EngineConfig().prefill_chunk_tokens == TRITON_MAX_BLOCK  # the CPU
+    assert EngineConfig(device="cuda", attention="triton").prefill_chunk_tokens == LONG_PREFILL_CHUNK  # MLA too
+    assert EngineConfig(device="cuda", attention="triton", prefill_chunk=1024).prefill_chunk_tokens == 1024

@@ -55,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-tree-nodes", type=int, default=255)
     parser.add_argument("--max-context", type=int, default=None)
     parser.add_argument("--prefill-chunk", type=int, default=None,
-                        help="tokens per prefill chunk (default: 4096 for dense models on CUDA, else 256)")
+                        help="tokens per prefill chunk (default: 4096 on CUDA, else 256)")
     parser.add_argument("--max-batch-tokens", type=int, default=2048,
                         help="rows (tree nodes + roots) of one verify step; steps beyond it wait for the next")
     parser.add_argument("--max-batch-sessions", type=int, default=256,

@@ -10,7 +10,7 @@ from modeling.config import parse_dtype
 
 PAGE_SIZES = (16, 32, 64, 128, 256)
 TRITON_MAX_BLOCK = 256  # tokens of one verify block (a tree, or an MLA prefill chunk) in the Triton kernels
-LONG_PREFILL_CHUNK = 4096  # dense models on CUDA: see benchmarks/results/prefill.md
+LONG_PREFILL_CHUNK = 4096  # on CUDA: benchmarks/results/prefill.md (dense), prefill_deepseek-v2-lite.md (MLA)
 
 
 ATTENTION_CHOICES = ("auto", "torch", "triton")
@@ -28,7 +28,7 @@ class EngineConfig:
     page_size: int = 64
     kv_budget_bytes: int = 256 << 20  # K and V pages of all layers together
     max_tree_nodes: int = 255  # draft nodes per tree (the verify block holds one more: the root)
-    prefill_chunk: int | None = None  # None: LONG_PREFILL_CHUNK for dense models on CUDA, else TRITON_MAX_BLOCK
+    prefill_chunk: int | None = None  # None: LONG_PREFILL_CHUNK on CUDA, else TRITON_MAX_BLOCK
     max_batch_tokens: int = 2048  # rows of one step's verify blocks together (the scratch holds a prefill chunk too)
     max_batch_sessions: int = 256  # sessions in one step; more wait for the next (verifier_service/step_loop.py)
     max_context: int | None = None  # defaults to the model's max_position_embeddings
@@ -66,14 +66,14 @@ class EngineConfig:
     def max_tree_tokens(self) -> int:
         return self.max_tree_nodes + 1
 
-    def chunk_for(self, latent_attention: bool) -> int:
-        """The prefill chunk: long chunks (a causal chain, ddtree_kernels.prefill_attention) for dense models on
-        CUDA. MLA models prefill through the latent verify kernel, in blocks of TRITON_MAX_BLOCK, unless asked for
-        longer chunks (the expanded prefill path: not yet measured on a GPU, so not the default)."""
+    @property
+    def prefill_chunk_tokens(self) -> int:
+        """The prefill chunk: on CUDA long chunks, a causal chain through the fused prefill attention (MLA models
+        in its expanded form: 2.8x the latent verify kernel's 256-token blocks on a 128k prompt,
+        benchmarks/results/prefill_deepseek-v2-lite.md); elsewhere blocks of the verify kernels' size."""
         if self.prefill_chunk is not None:
             return self.prefill_chunk
-        on_cuda = torch.device(self.device).type == "cuda"
-        return LONG_PREFILL_CHUNK if on_cuda and not latent_attention else TRITON_MAX_BLOCK
+        return LONG_PREFILL_CHUNK if torch.device(self.device).type == "cuda" else TRITON_MAX_BLOCK
 
     @property
     def uses_cuda_graphs(self) -> bool:

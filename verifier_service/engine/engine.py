@@ -80,9 +80,9 @@ class Engine:
         # it; the tensors hold only the KV heads of this model instance (`shard_config`).
         self.kv = self._kv_cache(num_pages, dtype, device)
         latent = self.model_config.mla is not None
-        self.prefill_chunk = config.chunk_for(latent)
+        self.prefill_chunk = config.prefill_chunk_tokens
         # NOTE: the rows one block may have in the verify kernels (and graphs); a longer one is a prefill chunk, run
-        # by the prefill path (MLA: only chunks longer than the latent verify kernel takes, as asked for)
+        # by the prefill path (MLA: chunks longer than the latent verify kernel takes)
         latent_chunk = min(self.prefill_chunk, TRITON_MAX_BLOCK) if latent else 0
         self.verify_block_tokens = max(config.max_tree_tokens, latent_chunk)
         self.scratch = TreeScratch(model.shard_config, max(config.max_batch_tokens, self.prefill_chunk), dtype, device)
