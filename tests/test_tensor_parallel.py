@@ -223,12 +223,12 @@ def ngram_drafter(tmp_path_factory):
 
 
 @contextmanager
-def verifier(target: Path, world_size: int, drafter: str, log_dir: Path):
+def verifier(target: Path, world_size: int, drafter: str, log_dir: Path, *extra_args: str):
     address = f"127.0.0.1:{free_port()}"
     log = open(log_dir / f"verifier-tp{world_size}.log", "wb")  # noqa: SIM115
     process = subprocess.Popen([sys.executable, "-m", "verifier_service.server", "--target", str(target),
                                 "--listen", address, "--drafters", drafter, "--tensor-parallel", str(world_size),
-                                "--page-size", "16", "--kv-budget-mb", "4", "--tree-budget", "8"],
+                                "--page-size", "16", "--kv-budget-mb", "4", "--tree-budget", "8", *extra_args],
                                stdout=log, stderr=subprocess.STDOUT)
     try:
         wait_healthy(address, 90, process)
@@ -291,6 +291,17 @@ def test_greedy_over_n_ranks_equals_one_rank(model, world_size, prompt_lengths, 
                 assert first + tokens == expected[n]
         info = stub.Info(verifier_pb2.VerifierInfoRequest(), timeout=10)
         assert info.free_pages == info.kv_capacity_pages and info.active_sessions == 0
+
+
+def test_long_mla_prefill_chunks_over_two_ranks_equal_one_rank(targets, ngram_drafter, tmp_path) -> None:
+    """A chunk longer than the latent verify kernel's blocks (what MLA prompts get on CUDA by default) prefills in
+    the expanded form, each rank over its own heads; one rank prefilled in 256-token blocks gives the same tokens."""
+    target, prompt = targets["deepseek_v3"], prompt_of(400)
+    expected = plain_generate(make_engine(target), prompt, SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True))
+    with verifier(target, 2, ngram_drafter, tmp_path, "--prefill-chunk", "300") as channel:
+        stub = verifier_pb2_grpc.VerifierStub(channel)
+        tokens, _ = generate(stub, create(stub, prompt))
+    assert tokens == expected
 
 
 def test_plain_decoding_in_bursts_over_two_ranks_equals_one_rank(targets, tmp_path) -> None:
