@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
 import subprocess
 import sys
 import time
@@ -240,12 +241,28 @@ def attention_alone(engine: Engine, block: BlockSpec) -> float:
     return triton.testing.do_bench_cudagraph(run, return_mode="median")
 
 
+# PyTorch's generic CUDA kernels: what they run is a functor or kernel function named in their template arguments
+_TORCH_WRAPPERS = {"vectorized_elementwise_kernel", "unrolled_elementwise_kernel", "elementwise_kernel",
+                   "reduce_kernel", "index_elementwise_kernel", "BinaryFunctor", "AUnaryFunctor", "BUnaryFunctor"}
+_TORCH_KERNEL = re.compile(r"^(?:void )?(?:(?:\w+|\(anonymous namespace\))::)*(\w+)")
+_TORCH_OP = re.compile(r"\b(\w+(?:_kernel_cuda|_kernel|Functor\w*|Ops))\b")
+
+
 def kernel_group(name: str) -> str:
     """A readable bucket for a kernel name: cuBLAS GEMMs under one name, Triton kernels (named after their
-    Python function, `_..._kernel`) by their own."""
-    if not name.startswith("_") and any(tag in name for tag in ("gemm", "nvjet", "cutlass", "xmma")):
+    Python function, `_..._kernel`) by their own, PyTorch's by their kernel and, for its generic elementwise,
+    reduce and index kernels, the operation they run (`vectorized_elementwise_kernel: silu_kernel`)."""
+    if name.startswith("_"):
+        return name.split("(")[0]
+    if any(tag in name for tag in ("gemm", "nvjet", "cutlass", "xmma")):
         return "GEMM (cuBLAS)"
-    return name.split("(")[0][:48]
+    if "::" not in name:  # NOTE: copies and sets: "Memcpy HtoD (Pinned -> Device)"
+        return name.split("(")[0].strip()
+    kernel = _TORCH_KERNEL.match(name).group(1)
+    if kernel not in _TORCH_WRAPPERS:
+        return kernel
+    operation = next((op for op in _TORCH_OP.findall(name) if op not in _TORCH_WRAPPERS), None)
+    return f"{kernel}: {operation}" if operation else kernel
 
 
 def cuda_events(fn, steps: int = 5) -> list:
