@@ -164,39 +164,43 @@ def test_plan_cost_smoke_run_holds_plans_without_changing_the_probes(tmp_path: P
     assert every["drafting_passes"] == held["drafting_passes"] > 0
 
 
-def test_kernel_groups_name_what_a_kernel_runs() -> None:
+# (kernel name as the profiler gives it, its group): PyTorch's generic kernels by the operation they run
+KERNEL_GROUPS = [
+    ("nvjet_tst_128x64_64x8_1x2_h_bz_coopA_TNN", "GEMM (cuBLAS)"),
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize64x64x64", "GEMM (cuBLAS)"),
+    ("_partials_kernel", "_partials_kernel"),
+    ("_skinny_gemm_kernel", "_skinny_gemm_kernel"),
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::silu_kernel(at::TensorIteratorBase&)::{lambda()#1}"
+     "::operator()() const::{lambda(c10::BFloat16)#1}, std::array<char*, 2ul> >(int, ...)",
+     "vectorized_elementwise_kernel: silu_kernel"),
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<c10::BFloat16>, "
+     "std::array<char*, 3ul> >(int, at::native::CUDAFunctor_add<c10::BFloat16>, std::array<char*, 3ul>)",
+     "vectorized_elementwise_kernel: CUDAFunctor_add"),
+    ("void at::native::elementwise_kernel<128, 2, at::native::gpu_kernel_impl_nocast<at::native::BinaryFunctor<float, "
+     "float, float, at::native::binary_internal::MulFunctor<float> > >(at::TensorIteratorBase&, ...)",
+     "elementwise_kernel: MulFunctor"),
+    ("void at::native::unrolled_elementwise_kernel<at::native::direct_copy_kernel_cuda(at::TensorIteratorBase&)"
+     "::{lambda()#3}::operator()() const::{lambda(float)#1}, std::array<char*, 2ul>, 4>(int, ...)",
+     "unrolled_elementwise_kernel: direct_copy_kernel_cuda"),
+    ("void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, at::native::MaxOps<float>, unsigned int, "
+     "float, 4, 4> >(at::native::ReduceOp<float, at::native::MaxOps<float>, unsigned int>)", "reduce_kernel: MaxOps"),
+    ("void at::native::(anonymous namespace)::CatArrayBatchedCopy<at::native::(anonymous namespace)::OpaqueType<2u>, "
+     "unsigned int, 2, 128, 1>(...)", "CatArrayBatchedCopy"),
+    ("void at::native::radixSortKVInPlace<-2, -1, 32, 4, float, long>(...)", "radixSortKVInPlace"),
+    ("void at_cuda_detail::cub::detail::scan::DeviceScanKernel<int>(int)", "DeviceScanKernel"),
+    ("void cublasLt::splitKreduce_kernel<32, 16, int, float>(...)", "splitKreduce_kernel"),
+    ("Memcpy HtoD (Pinned -> Device)", "Memcpy HtoD"),
+]
+
+
+@pytest.mark.parametrize("name, group", KERNEL_GROUPS, ids=[group for _, group in KERNEL_GROUPS])
+def test_kernel_groups_name_what_a_kernel_runs(name: str, group: str) -> None:
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
         from e2e_step import kernel_group
     finally:
         sys.path.remove(str(ROOT / "benchmarks"))
-    assert kernel_group("nvjet_tst_128x64_64x8_1x2_h_bz_coopA_TNN") == "GEMM (cuBLAS)"
-    assert kernel_group("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize64x64x64") == "GEMM (cuBLAS)"
-    assert kernel_group("_partials_kernel") == "_partials_kernel"
-    assert kernel_group("_skinny_gemm_kernel") == "_skinny_gemm_kernel"
-    # PyTorch's generic kernels by the operation they run (names as the profiler gives them)
-    silu = ("void at::native::vectorized_elementwise_kernel<4, at::native::silu_kernel(at::TensorIteratorBase&)::"
-            "{lambda()#1}::operator()() const::{lambda(c10::BFloat16)#1}, std::array<char*, 2ul> >(int, ...)")
-    assert kernel_group(silu) == "vectorized_elementwise_kernel: silu_kernel"
-    add = ("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<c10::BFloat16>, "
-           "std::array<char*, 3ul> >(int, at::native::CUDAFunctor_add<c10::BFloat16>, std::array<char*, 3ul>)")
-    assert kernel_group(add) == "vectorized_elementwise_kernel: CUDAFunctor_add"
-    mul = ("void at::native::elementwise_kernel<128, 2, at::native::gpu_kernel_impl_nocast<at::native::BinaryFunctor"
-           "<float, float, float, at::native::binary_internal::MulFunctor<float> > >(at::TensorIteratorBase&, ...)")
-    assert kernel_group(mul) == "elementwise_kernel: MulFunctor"
-    copy = ("void at::native::unrolled_elementwise_kernel<at::native::direct_copy_kernel_cuda(at::TensorIteratorBase&)"
-            "::{lambda()#3}::operator()() const::{lambda(float)#1}, std::array<char*, 2ul>, 4>(int, ...)")
-    assert kernel_group(copy) == "unrolled_elementwise_kernel: direct_copy_kernel_cuda"
-    top = ("void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, at::native::MaxOps<float>, "
-           "unsigned int, float, 4, 4> >(at::native::ReduceOp<float, at::native::MaxOps<float>, unsigned int>)")
-    assert kernel_group(top) == "reduce_kernel: MaxOps"
-    cat = ("void at::native::(anonymous namespace)::CatArrayBatchedCopy<at::native::(anonymous namespace)::"
-           "OpaqueType<2u>, unsigned int, 2, 128, 1>(...)")
-    assert kernel_group(cat) == "CatArrayBatchedCopy"
-    assert kernel_group("void at::native::radixSortKVInPlace<-2, -1, 32, 4, float, long>(...)") == "radixSortKVInPlace"
-    assert kernel_group("void at_cuda_detail::cub::detail::scan::DeviceScanKernel<int>(int)") == "DeviceScanKernel"
-    assert kernel_group("Memcpy HtoD (Pinned -> Device)") == "Memcpy HtoD"
-    assert kernel_group("void cublasLt::splitKreduce_kernel<32, 16, int, float>(...)") == "splitKreduce_kernel"
+    assert kernel_group(name) == group
 
 
 def test_gpu_only_benchmarks_import_and_parse_their_options() -> None:
