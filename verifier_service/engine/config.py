@@ -9,7 +9,7 @@ import torch
 from modeling.config import parse_dtype
 
 PAGE_SIZES = (16, 32, 64, 128, 256)
-TRITON_MAX_BLOCK = 256  # tokens of one verify block (a tree, or an MLA prefill chunk) in the Triton kernels
+TRITON_MAX_BLOCK = 256  # tokens of one verify block in the Triton kernels (a tree, or a prefill chunk this short)
 LONG_PREFILL_CHUNK = 4096  # on CUDA: benchmarks/results/prefill.md (dense), prefill_deepseek-v2-lite.md (MLA)
 
 
