@@ -73,6 +73,7 @@ def _merge_kernel(a_ptr, a_lse_ptr, b_ptr, b_lse_ptr, out_ptr, rows, a_head, a_r
              (b + (a - b) * a_weight).to(out_ptr.dtype.element_ty), mask=inside[:, None])
 
 
+PREFIX_SEGMENT = 32768  # NOTE: MLA prefix tokens expanded at once: 128 heads' K and V of 32k tokens are ~3 GB
 MERGE_ROWS = 32  # NOTE: rows of one head per program: 4k elements, enough to stream at the copy bandwidth
 
 
@@ -115,6 +116,29 @@ def build_plans(heads: int, kv_heads: int, dim: int, chunk: int, max_prefix: int
     return 1 + len(prefix_lens)
 
 
+def latent_segments(chunk: int, max_prefix: int, segment: int) -> list[int]:
+    """The lengths of the prefix segments `latent_prefill_attention` expands for the full chunks of a prompt up to
+    `max_prefix` + `chunk` tokens (prefixes at the multiples of `chunk`)."""
+    lengths = {prefix % segment or segment for prefix in range(chunk, max_prefix + 1, chunk)}
+    return sorted(lengths | ({segment} if max_prefix > segment else set()))
+
+
+def build_latent_plans(w_uk: torch.Tensor, w_uv: torch.Tensor, rope_dim: int, chunk: int, max_prefix: int,
+                       segment: int = PREFIX_SEGMENT) -> int:
+    """`build_plans` for an MLA model's expanded prefill (`latent_prefill_attention`): its causal chunk and every
+    prefix segment length a full chunk meets, at the strides that function gives them. Returns the shapes run."""
+    if not fused_attention_available(w_uk.device) or w_uk.dtype not in (torch.bfloat16, torch.float16):
+        return 0
+    heads, nope, rank = w_uk.shape
+    lengths = latent_segments(chunk, max_prefix, segment)
+    entries = torch.zeros(max([chunk, *lengths]), rank + rope_dim, dtype=w_uk.dtype, device=w_uk.device)
+    query = torch.zeros(chunk, heads, nope + rope_dim, dtype=w_uk.dtype, device=w_uk.device).transpose(0, 1)
+    attention_with_lse(query, *expand_latents(entries[:chunk], w_uk, w_uv), True, 1.0)
+    for length in lengths:
+        attention_with_lse(query, *expand_latents(entries[:length], w_uk, w_uv), False, 1.0)
+    return 1 + len(lengths)
+
+
 def prefill_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, block_table: torch.Tensor,
                       prefix_len: int, k: torch.Tensor, v: torch.Tensor, sm_scale: float) -> torch.Tensor:
     """q: [C, H_q, D] of positions prefix_len .. prefix_len + C - 1; k/v: [C, H_kv, D] the chunk's own keys and
@@ -147,7 +171,7 @@ def expand_latents(entries: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor
 
 def latent_prefill_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, pages: torch.Tensor,
                              block_table: torch.Tensor, prefix_len: int, entries: torch.Tensor, w_uk: torch.Tensor,
-                             w_uv: torch.Tensor, sm_scale: float, segment: int = 32768) -> torch.Tensor:
+                             w_uv: torch.Tensor, sm_scale: float, segment: int = PREFIX_SEGMENT) -> torch.Tensor:
     """An MLA model's long prefill chunk, expanded rather than absorbed: the absorbed form costs
     2 x (kv_lora_rank + rope + kv_lora_rank) FLOPs per query head and key, the expanded one 2 x (nope + rope + v)
     (1088 against 320 for DeepSeek / GLM shapes) at the fused attention's rate, plus expanding the prefix through

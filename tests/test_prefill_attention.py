@@ -6,7 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ddtree_kernels.prefill_attention import build_plans, latent_prefill_attention, prefill_attention
+from ddtree_kernels.prefill_attention import (
+    build_latent_plans,
+    build_plans,
+    latent_prefill_attention,
+    latent_segments,
+    prefill_attention,
+)
 from ddtree_kernels.reference import latent_prefill_attention_reference, prefill_attention_reference
 from modeling.tiny import make_tiny_target
 from modeling.tree import DraftTree
@@ -85,12 +91,36 @@ def test_fused_prefill_attention_on_the_gpu(dtype: torch.dtype, prefix_len: int,
 
 def test_plans_are_built_only_for_the_fused_attention() -> None:
     assert build_plans(8, 2, 16, 64, 256, torch.float32, torch.device("cpu")) == 0
+    w_uk, w_uv = torch.zeros(4, 16, 32), torch.zeros(4, 16, 32)
+    assert build_latent_plans(w_uk, w_uv, 8, 64, 256) == 0
+
+
+@pytest.mark.parametrize("chunk, max_prefix, segment, lengths", [
+    (1024, 4096, 32768, [1024, 2048, 3072, 4096]),  # every prefix one segment
+    (1024, 5120, 2048, [1024, 2048]),  # full segments, then what is left of each prefix
+    (1000, 5000, 3000, [1000, 2000, 3000]),  # 4000 = 3000 + 1000, 5000 = 3000 + 2000
+    (4096, 4095, 32768, []),  # no prefix a full chunk meets
+])
+def test_latent_segments_are_those_the_expanded_prefill_takes(chunk: int, max_prefix: int, segment: int,
+                                                              lengths: list[int]) -> None:
+    assert latent_segments(chunk, max_prefix, segment) == lengths
+    taken = {min(segment, prefix - start) for prefix in range(chunk, max_prefix + 1, chunk)
+             for start in range(0, prefix, segment)}  # NOTE: latent_prefill_attention's loop over the prefix
+    assert taken == set(lengths)
 
 
 @pytest.mark.gpu
 def test_plans_cover_every_full_chunk() -> None:
     """The causal chunk, and the prefix of every full chunk of a 4k+1k prompt: 1024, 2048, 3072, 4096."""
     assert build_plans(32, 8, 128, 1024, 4096, torch.bfloat16, torch.device("cuda")) == 5
+
+
+@pytest.mark.gpu
+def test_an_mla_engine_builds_its_expanded_prefill_plans_at_warm_up(tiny_mla_target) -> None:
+    """The causal chunk and the prefix segments of every full 300-token chunk of a 2000-token context (300 .. 1500)."""
+    engine = make_engine(tiny_mla_target, device="cuda", attention="triton", dtype="bfloat16", prefill_chunk=300,
+                         max_context=2000)
+    assert engine._build_prefill_plans() == 1 + len(latent_segments(300, 1700, 32768)) == 6
 
 
 @pytest.fixture(params=BACKENDS)

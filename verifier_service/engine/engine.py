@@ -119,21 +119,26 @@ class Engine:
             self.forward([BlockSpec.chain(0, [0] * size, []) for size in sizes])
         return len(self.graphs.graphs)
 
-    def _build_prefill_plans(self) -> None:
-        """The fused prefill attention's per-shape plans for every full chunk a prompt up to max_context has."""
-        if (self.prefill_chunk <= self.verify_block_tokens or not isinstance(self.backend, TritonBackend)
-                or self.model_config.mla is not None):
-            return
-        from ddtree_kernels.prefill_attention import build_plans
+    def _build_prefill_plans(self) -> int:
+        """The fused prefill attention's per-shape plans for every full chunk a prompt up to max_context has (MLA:
+        of its expanded form). Returns the shapes run."""
+        if self.prefill_chunk <= self.verify_block_tokens or not isinstance(self.backend, TritonBackend):
+            return 0
+        from ddtree_kernels.prefill_attention import build_latent_plans, build_plans
 
-        shard = self.model.shard_config
+        shard, max_prefix = self.model.shard_config, self.max_context - self.prefill_chunk
         try:
-            built = build_plans(shard.num_heads, shard.num_kv_heads, shard.head_dim, self.prefill_chunk,
-                                self.max_context - self.prefill_chunk, self.config.torch_dtype, self.device)
+            if shard.mla is not None:
+                w_uk, w_uv = self.model.model.layers[0].self_attn.absorbed_weights()
+                built = build_latent_plans(w_uk, w_uv, shard.mla.qk_rope_head_dim, self.prefill_chunk, max_prefix)
+            else:
+                built = build_plans(shard.num_heads, shard.num_kv_heads, shard.head_dim, self.prefill_chunk,
+                                    max_prefix, self.config.torch_dtype, self.device)
         except RuntimeError as error:  # NOTE: out of memory, say: the plans are then built on first use, ~40 ms each
             log.warning("the prefill attention plans were not built ahead: %s", error)
-            return
+            return 0
         log.info("built %d fused prefill attention plans", built)
+        return built
 
     def _kv_cache(self, num_pages: int, dtype: torch.dtype, device: torch.device) -> KVCache:
         return KVCache(self.model.shard_config, num_pages, self.config.page_size, dtype, device)
