@@ -1,16 +1,18 @@
-"""One MoE layer (router, routed experts, shared experts; random bf16 weights) on one GPU at verify-step sizes:
+"""One MoE layer (router, routed experts, shared experts; random bf16 weights) on one GPU at verify-step and
+prefill-chunk sizes:
 
-- fused: the layer as served on CUDA (`MoE.expert_sum` with the stacked experts: ddtree_kernels/fused_moe.py),
-  replayed from a CUDA graph; `fused_experts` is the routed-expert kernels alone (two launches + the pair sum);
+- served: the layer as served on CUDA (`MoE.expert_sum` with the stacked experts: ddtree_kernels/fused_moe.py, or
+  from 8192 (token, expert) pairs on torch's grouped GEMM where it runs), replayed from a CUDA graph;
+  `experts_ms` is the routed experts alone as served, `fused_kernel_ms` the fused kernels at any size;
 - torch: the reference grouped loop (`MoE.run_experts` before stacking: one GEMM per touched expert, a host sync
   for the counts), eager;
-- floor: bytes of the weights the step must read (the touched experts, the shared experts, the router) / the
-  copy bandwidth measured in the same run.
+- floor: the larger of the bytes of the weights the step must read (the touched experts, the shared experts, the
+  router) / the copy bandwidth and its FLOPs / the bf16 matmul rate, both measured in the same run.
 
 Shapes: GLM-4.7-Flash (hidden 2048, 64 experts of width 1536, top-4, 1 shared) and DeepSeek-V2-Lite (hidden 2048,
 64 experts of width 1408, top-6, 2 shared).
 
-    python benchmarks/moe_layer.py [--tokens 1 16 64 256] [--out-dir DIR]
+    python benchmarks/moe_layer.py [--tokens 1 16 64 256 1024 4096] [--out-dir DIR]
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import triton
 from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.e2e_step import matmul_rate  # noqa: E402
 from benchmarks.verify_attention import copy_bandwidth, time_graph  # noqa: E402
 from ddtree_kernels.fused_moe import MoELaunch, fused_moe  # noqa: E402
 from modeling.config import ModelConfig  # noqa: E402
@@ -64,7 +67,14 @@ def floor_bytes(layer: MoE, ids: torch.Tensor) -> int:
     return int(ids.unique().numel()) * expert + shared + router
 
 
-def measure(name: str, layer: MoE, tokens: int, bw: float) -> dict:
+def floor_flops(layer: MoE, tokens: int) -> int:
+    """Multiply-adds x 2 of the router, the k routed experts of each token and the shared experts."""
+    expert = sum(p.numel() for p in layer.experts[0].parameters())
+    shared = sum(p.numel() for p in layer.shared_experts.parameters())
+    return 2 * tokens * (layer.gate.weight.numel() + layer.gate.moe.experts_per_token * expert + shared)
+
+
+def measure(name: str, layer: MoE, tokens: int, bw: float, rate: float) -> dict:
     x = torch.randn(tokens, layer.gate.weight.shape[1], device="cuda", dtype=torch.bfloat16)
     ids, weights = layer.gate(x)
     torch_ms = do_bench(lambda: layer.run_experts(x, ids, weights), warmup=5, rep=40, return_mode="median")
@@ -80,10 +90,12 @@ def measure(name: str, layer: MoE, tokens: int, bw: float) -> dict:
     err = (got - want).abs().max().item()
     if not err < 5e-2 * max(1.0, want.abs().max().item()):
         raise AssertionError(f"fused MoE disagrees with the torch loop: {err}")
-    floor = floor_bytes(layer, ids)
+    floor, flops = floor_bytes(layer, ids), floor_flops(layer, tokens)
     row = {"shape": name, "tokens": tokens, "experts_touched": int(ids.unique().numel()), "floor_bytes": floor,
-           "floor_ms": 1e3 * floor / bw, "err": err, "torch_experts_ms": torch_ms,
-           "fused_experts_ms": time_graph(lambda: fused_moe(x, ids, weights, stacked.w13, stacked.w2)),
+           "floor_flops": flops, "floor_ms": 1e3 * max(floor / bw, flops / rate), "err": err,
+           "torch_experts_ms": torch_ms,
+           "experts_ms": time_graph(lambda: stacked(x, ids, weights)),
+           "fused_kernel_ms": time_graph(lambda: fused_moe(x, ids, weights, stacked.w13, stacked.w2)),
            "fused_layer_ms": time_graph(lambda: layer.expert_sum(x))}
     row["layer_vs_floor"] = row["fused_layer_ms"] / row["floor_ms"]
     return row
@@ -110,29 +122,32 @@ def sweep(tokens: list[int]) -> list[dict]:
     return rows
 
 
-def markdown(rows: list[dict], bw: float, command: str) -> str:
-    lines = ["# MoE layer at verify-step sizes, one H200 (bf16, random weights)", "", f"Command: `{command}`", "",
-             f"Copy bandwidth measured in the same run: {bw / 1e12:.2f} TB/s (read + write). Floor = bytes of the "
-             "touched experts + shared experts + router / that bandwidth. Fused times are CUDA-graph replays "
-             "(medians); the torch loop runs eagerly (it syncs for the expert counts, so it cannot be captured).", "",
-             "| shape | tokens | experts touched | floor | fused layer | x floor | fused routed experts | torch loop |",
-             "|---|---|---|---|---|---|---|---|"]
+def markdown(result: dict) -> str:
+    lines = [f"# MoE layer at verify-step and prefill sizes, one {result['device']} (bf16, random weights)", "",
+             f"Command: `{result['command']}`", "",
+             f"Measured in the same run: copy bandwidth {result['copy_bytes_per_s'] / 1e12:.2f} TB/s (read + write), "
+             f"bf16 matmul {result['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s. Floor = the larger of the bytes of the "
+             "touched experts + shared experts + router / that bandwidth and the layer's FLOPs / that rate. Served "
+             "and fused times are CUDA-graph replays (medians); the torch loop runs eagerly (it syncs for the expert "
+             "counts, so it cannot be captured).", "",
+             "| shape | tokens | experts touched | floor | layer as served | x floor | routed experts as served "
+             "| fused kernels | torch loop |", "|---|---|---|---|---|---|---|---|---|"]
     lines += [f"| {r['shape']} | {r['tokens']} | {r['experts_touched']} | {r['floor_ms']:.3f} "
-              f"| {r['fused_layer_ms']:.3f} | {r['layer_vs_floor']:.2f} | {r['fused_experts_ms']:.3f} "
-              f"| {r['torch_experts_ms']:.3f} |" for r in rows]
+              f"| {r['fused_layer_ms']:.3f} | {r['layer_vs_floor']:.2f} | {r['experts_ms']:.3f} "
+              f"| {r['fused_kernel_ms']:.3f} | {r['torch_experts_ms']:.3f} |" for r in result["rows"]]
     return "\n".join(lines) + "\n"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out-dir", type=Path, default=Path("benchmarks/results"))
-    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 64, 256])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 64, 256, 1024, 4096])
     parser.add_argument("--sweep", action="store_true", help="time the kernels' launch shapes instead")
     args = parser.parse_args()
     command = "python " + " ".join(sys.argv)
     torch.manual_seed(0)
     started = time.time()
-    bw = copy_bandwidth()
+    bw, rate = copy_bandwidth(), matmul_rate("cuda")
     args.out_dir.mkdir(parents=True, exist_ok=True)
     if args.sweep:
         (args.out_dir / "moe_layer_sweep.json").write_text(json.dumps({"command": command, "rows": sweep(args.tokens)},
@@ -141,14 +156,14 @@ def main() -> None:
     rows = []
     for name, shape in SHAPES.items():
         for tokens in args.tokens:
-            rows.append(measure(name, build(shape), tokens, bw))
+            rows.append(measure(name, build(shape), tokens, bw, rate))
             print(json.dumps(rows[-1]), flush=True)
     result = {"command": command, "device": torch.cuda.get_device_name(), "copy_bytes_per_s": bw,
-              "torch": torch.__version__, "triton": triton.__version__, "rows": rows,
+              "matmul_flops_per_s": rate, "torch": torch.__version__, "triton": triton.__version__, "rows": rows,
               "seconds": time.time() - started}
     (args.out_dir / "moe_layer.json").write_text(json.dumps(result, indent=1) + "\n")
-    (args.out_dir / "moe_layer.md").write_text(markdown(rows, bw, command))
-    print(markdown(rows, bw, command))
+    (args.out_dir / "moe_layer.md").write_text(markdown(result))
+    print(markdown(result))
 
 
 if __name__ == "__main__":

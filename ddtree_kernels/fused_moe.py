@@ -1,4 +1,6 @@
-"""Fused mixture-of-experts MLP for the few hundred tokens of a verify step: two grouped GEMM launches.
+"""Fused mixture-of-experts MLP for the few hundred tokens of a verify step: two grouped GEMM launches. (A prefill
+chunk's thousands of tokens take torch's grouped GEMM where it runs, `modeling.moe.grouped_gemm_experts`, with this
+module's pair sum.)
 
 A step of T tokens sends T x k (token, expert) pairs to the routed experts, so it touches most experts with a
 few rows each: the cost is reading each touched expert's weights once. The pairs are sorted by expert on the
@@ -55,10 +57,18 @@ class ExpertBlocks:
 TILE_ELEMENTS = 8192
 
 
+# NOTE: the layout kernel is one program walking the pairs in sequence: as CUDA-graph replays on an H100, 26 us for
+# 256 pairs (the sort: 79), 96 for 1536 (99), 234 for 4096 (109), 912 for 16k (159); beyond this many a sort does it
+LAYOUT_KERNEL_MAX_PAIRS = 1536
+
+
 def expert_blocks(ids: torch.Tensor, first_expert: int, num_experts: int, block_m: int) -> ExpertBlocks:
-    """ids: [N, k] global expert ids. One launch of fixed shapes, no host sync: capturable in a CUDA graph (the
-    torch ops it replaces were ~30 launches, most of the layer's time outside its GEMMs at verify sizes)."""
+    """ids: [N, k] global expert ids. No host sync either way: capturable in a CUDA graph. Up to
+    LAYOUT_KERNEL_MAX_PAIRS pairs (verify sizes) one launch of fixed shapes (the torch ops it replaces were ~30
+    launches, most of the layer's time outside its GEMMs there); more, `expert_blocks_by_sort`."""
     num_pairs = ids.numel()
+    if num_pairs > LAYOUT_KERNEL_MAX_PAIRS:
+        return expert_blocks_by_sort(ids, first_expert, num_experts, block_m)
     max_blocks = triton.cdiv(num_pairs, block_m) + min(num_experts, num_pairs)
     order = torch.empty(num_pairs, dtype=torch.int32, device=ids.device)
     expert, start, end = torch.empty(3, max_blocks, dtype=torch.int32, device=ids.device)
@@ -69,6 +79,33 @@ def expert_blocks(ids: torch.Tensor, first_expert: int, num_experts: int, block_
             NUM_EXPERTS=num_experts, EXPERTS_PAD=bins, BLOCK_M=block_m,
             BLOCK_PAIRS=max(16, min(128, TILE_ELEMENTS // bins)), num_warps=8)
     return ExpertBlocks(order, expert, start, end)
+
+
+def expert_blocks_by_sort(ids: torch.Tensor, first_expert: int, num_experts: int, block_m: int) -> ExpertBlocks:
+    """The same layout from torch's stable sort (a block's expert: how many experts' blocks end at or before it)."""
+    local = local_experts(ids, first_expert, num_experts)
+    counts = expert_counts(local, num_experts)
+    blocks = (counts + block_m - 1) // block_m
+    block_end = blocks.cumsum(0)
+    pair_start = counts.cumsum(0) - counts
+    index = torch.arange(triton.cdiv(local.numel(), block_m) + min(num_experts, local.numel()), device=ids.device)
+    expert = torch.searchsorted(block_end, index, right=True)
+    own = expert.clamp(max=num_experts - 1)
+    start = pair_start[own] + (index - (block_end - blocks)[own]) * block_m
+    end = torch.where(expert < num_experts, torch.minimum(start + block_m, pair_start[own] + counts[own]), start)
+    return ExpertBlocks(*(t.to(torch.int32) for t in (local.argsort(stable=True), expert, start, end)))
+
+
+def local_experts(ids: torch.Tensor, first_expert: int, num_experts: int) -> torch.Tensor:
+    """[N * k] the pairs' experts on this rank, `num_experts` for another rank's (sorted after all of this one's)."""
+    local = ids.flatten() - first_expert
+    return torch.where((local >= 0) & (local < num_experts), local, num_experts)
+
+
+def expert_counts(local: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """[E] int64 pairs per local expert, from `local_experts` (no host sync, as bincount would have)."""
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=local.device)
+    return counts.index_add_(0, local, torch.ones_like(local))[:num_experts]
 
 
 @triton.jit
@@ -232,3 +269,39 @@ def fused_moe(
             h, w2, weights.float().contiguous(), blocks.order, blocks.expert, blocks.start, blocks.end, y,
             hidden, inter, h.stride(0), w2.stride(0), w2.stride(1), y.stride(0), **launch)
     return y.view(num_tokens, top_k, hidden).sum(dim=1)
+
+
+@triton.jit
+def _pair_sum_kernel(rows_ptr, place_ptr, weights_ptr, local_ptr, out_ptr, hidden, num_experts, stride_r, stride_o,
+                     TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+    """One token's columns: its k pairs' rows (found at their places in the expert order) times their weights, in
+    slot order; a pair of another rank's expert adds 0 (its row was never written)."""
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    inside = cols < hidden
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for slot in tl.static_range(TOP_K):
+        pair = token * TOP_K + slot
+        place = tl.load(place_ptr + pair).to(tl.int64)
+        held = tl.load(local_ptr + pair) < num_experts
+        row = tl.load(rows_ptr + place * stride_r + cols, mask=inside, other=0.0).to(tl.float32)
+        acc += tl.where(held, row * tl.load(weights_ptr + pair), 0.0)  # NOTE: an unwritten row may hold NaN
+    tl.store(out_ptr + token * stride_o + cols, acc, mask=inside)
+
+
+def weighted_pair_sum(rows: torch.Tensor, order: torch.Tensor, weights: torch.Tensor, local: torch.Tensor,
+                      num_experts: int) -> torch.Tensor:
+    """rows: [P, hidden] the pairs' expert outputs in `order` (pair ids sorted by expert); weights: [N, k] fp32;
+    local: [P] the pairs' local experts (`num_experts`: another rank's) -> [N, hidden] fp32, each token's weighted
+    sum, in one pass (the torch ops it replaces wrote the pairs in fp32 three times before summing them)."""
+    num_tokens, top_k = weights.shape
+    hidden = rows.shape[1]
+    place = torch.empty_like(order)
+    place[order] = torch.arange(order.numel(), dtype=order.dtype, device=order.device)
+    out = torch.empty(num_tokens, hidden, dtype=torch.float32, device=rows.device)
+    block = min(1024, triton.next_power_of_2(hidden))
+    if num_tokens:
+        _pair_sum_kernel[(num_tokens, triton.cdiv(hidden, block))](
+            rows, place, weights.float().contiguous(), local, out, hidden, num_experts, rows.stride(0),
+            out.stride(0), TOP_K=top_k, BLOCK=block, num_warps=4)
+    return out

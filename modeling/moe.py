@@ -4,11 +4,12 @@ experts and, always, to the shared experts.
 The torch version is the reference the fused GPU kernels are tested against: `route` is the routing that
 ddtree_kernels/moe_routing.py computes in one launch on CUDA, and `MoE.run_experts` the exact grouped computation
 ddtree_kernels/fused_moe.py replaces on CUDA once `fuse_projections` has stacked the experts (no capacity limit, no
-dropped tokens).
+dropped tokens); a prefill chunk's thousands of tokens take torch's grouped GEMM instead (`grouped_gemm_experts`).
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 
 import torch
@@ -17,6 +18,7 @@ from torch import nn
 
 from modeling.config import ModelConfig, MoEConfig
 from modeling.layers import MLP
+from modeling.ops import row_ops
 
 SCORINGS = ("softmax", "sigmoid")
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
@@ -108,9 +110,44 @@ class StackedExperts(nn.Module):
             expert.down_proj.weight = nn.Parameter(self.w2[j], requires_grad=False)
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        if ids.numel() >= GROUPED_GEMM_FROM_PAIRS and grouped_gemm_runs(x.device):
+            return grouped_gemm_experts(x, ids, weights, self.w13, self.w2, self.first_expert)
         from ddtree_kernels.fused_moe import fused_moe  # NOTE: Triton loads only where it runs
 
         return fused_moe(x, ids, weights, self.w13, self.w2, self.first_expert)
+
+
+# NOTE: from this many (token, expert) pairs on (a prefill chunk's), the routed experts run as two grouped GEMMs of
+# the library rather than the fused kernels, whose small tiles suit a verify step's few rows per expert. On an H100
+# (benchmarks/results/moe_layer_h100.md), 4096 tokens: GLM-4.7-Flash 1.95 -> 0.92 ms, DeepSeek-V2-Lite 2.51 -> 1.13;
+# at 1024 tokens (4096 GLM pairs) an eager probe timed both alike
+GROUPED_GEMM_FROM_PAIRS = 8192
+
+
+@functools.cache
+def grouped_gemm_runs(device: torch.device) -> bool:
+    """Whether torch's grouped GEMM serves this device (CUTLASS's, on Hopper and later)."""
+    return (device.type == "cuda" and hasattr(torch, "_grouped_mm")
+            and torch.cuda.get_device_capability(device) >= (9, 0))
+
+
+def grouped_gemm_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor,
+                         w2: torch.Tensor, first_expert: int = 0) -> torch.Tensor:
+    """`StackedExperts`' result through torch's grouped GEMM: the pairs sorted by expert, each expert's rows times
+    its weights in one launch per projection, summed per token in fp32 as the fused kernel does. Pairs of another
+    rank's experts sort last, past every group: their rows are left unwritten, so they are dropped, never scaled.
+    x: [N, hidden]; ids, weights: [N, k]; w13: [E, 2I, hidden]; w2: [E, hidden, I] -> [N, hidden] fp32."""
+    # NOTE: Triton loads only where it runs
+    from ddtree_kernels.fused_moe import expert_counts, local_experts, weighted_pair_sum
+
+    num_experts, inter = w2.shape[0], w2.shape[2]
+    local = local_experts(ids, first_expert, num_experts)
+    order = local.argsort(stable=True)
+    group_ends = expert_counts(local, num_experts).cumsum(0, dtype=torch.int32)
+    gate_up = torch._grouped_mm(x[order // ids.shape[1]], w13.transpose(1, 2), offs=group_ends)  # [P, 2I]
+    hidden_rows = row_ops(gate_up).silu_mul(gate_up[:, :inter], gate_up[:, inter:])
+    out = torch._grouped_mm(hidden_rows, w2.transpose(1, 2), offs=group_ends)  # [P, hidden], in `order`
+    return weighted_pair_sum(out, order, weights, local, num_experts)
 
 
 class MoE(nn.Module):

@@ -11,11 +11,11 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-import triton
 
-from ddtree_kernels.fused_moe import MoELaunch, expert_blocks, fused_moe
+import ddtree_kernels.fused_moe as fused_moe_module
+from ddtree_kernels.fused_moe import MoELaunch, expert_blocks, expert_blocks_by_sort, fused_moe
 from modeling.config import ModelConfig
-from modeling.moe import MoE
+from modeling.moe import MoE, grouped_gemm_experts
 
 GPU = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if GPU else "cpu")
@@ -61,40 +61,36 @@ def check_fused(layer: MoE, num_tokens: int, dtype: torch.dtype, launch: MoELaun
     torch.testing.assert_close(got, want, atol=atol, rtol=rtol)
 
 
-def reference_blocks(ids: torch.Tensor, first_expert: int, num_experts: int, block_m: int) -> list[list[int]]:
-    """The layout in torch ops: a stable argsort by local expert (another rank's last), blocks of block_m pairs."""
-    local = ids.flatten() - first_expert
-    local = torch.where((local >= 0) & (local < num_experts), local, num_experts)
-    order = torch.argsort(local, stable=True)
-    counts = torch.bincount(local, minlength=num_experts + 1)[:num_experts]
-    blocks = (counts + block_m - 1) // block_m
-    block_end = blocks.cumsum(0)
-    pair_start = counts.cumsum(0) - counts
-    index = torch.arange(triton.cdiv(local.numel(), block_m) + min(num_experts, local.numel()))
-    expert = torch.searchsorted(block_end, index, right=True)
-    clamped = expert.clamp(max=num_experts - 1)
-    start = pair_start[clamped] + (index - (block_end - blocks)[clamped]) * block_m
-    end = torch.where(expert < num_experts, torch.minimum(start + block_m, pair_start[clamped] + counts[clamped]),
-                      start)
-    return [order.tolist(), expert.tolist(), start.tolist(), end.tolist()]
+def layout_of(blocks) -> list[list[int]]:
+    return [t.tolist() for t in (blocks.order, blocks.expert, blocks.start, blocks.end)]
 
 
 @pytest.mark.parametrize("num_experts", [1, 8, 64, 160])
-def test_the_layout_kernel_equals_the_stable_sort_in_torch(num_experts: int) -> None:
-    """Exactly the torch layout, for every size of step (up to 300 pairs: several of the kernel's pair tiles), block
+def test_the_layout_kernel_equals_the_stable_sort(num_experts: int) -> None:
+    """Exactly the sort's layout, for every size of step (up to 300 pairs: several of the kernel's pair tiles), block
     size and rank's share of the experts."""
     generator = torch.Generator().manual_seed(num_experts)
     for num_tokens, top_k, block_m in ((1, 1, 16), (1, 8, 16), (5, 2, 4), (16, 8, 16), (37, 8, 32), (300, 1, 16)):
         for first_expert in (0, 3):
             ids = torch.randint(0, num_experts + 6, (num_tokens, top_k), generator=generator)
             got = expert_blocks(ids, first_expert, num_experts, block_m)
-            want = reference_blocks(ids, first_expert, num_experts, block_m)
-            assert [t.tolist() for t in (got.order, got.expert, got.start, got.end)] == want, (num_tokens, top_k)
+            assert layout_of(got) == layout_of(expert_blocks_by_sort(ids, first_expert, num_experts, block_m))
 
 
-def test_expert_blocks_cover_every_pair_once_within_one_expert() -> None:
+def test_many_pairs_take_the_sort(monkeypatch: pytest.MonkeyPatch) -> None:
+    ids = torch.randint(0, 8, (40, 2), generator=torch.Generator().manual_seed(1))
+    monkeypatch.setattr(fused_moe_module, "LAYOUT_KERNEL_MAX_PAIRS", 79)
+    monkeypatch.setattr(fused_moe_module, "_expert_blocks_kernel", None)  # NOTE: any launch would fail
+    assert layout_of(expert_blocks(ids, 0, 8, 4)) == layout_of(expert_blocks_by_sort(ids, 0, 8, 4))
+
+
+LAYOUTS = [expert_blocks, expert_blocks_by_sort]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_expert_blocks_cover_every_pair_once_within_one_expert(layout) -> None:
     ids = torch.tensor([[3, 0], [3, 1], [7, 3], [0, 3], [3, 5]])
-    blocks = expert_blocks(ids, first_expert=0, num_experts=8, block_m=2)
+    blocks = layout(ids, first_expert=0, num_experts=8, block_m=2)
     seen = []
     for expert, start, end in zip(blocks.expert.tolist(), blocks.start.tolist(), blocks.end.tolist()):
         if expert == 8:
@@ -105,11 +101,13 @@ def test_expert_blocks_cover_every_pair_once_within_one_expert() -> None:
         assert (ids.flatten()[pairs] == expert).all()
         seen += pairs.tolist()
     assert sorted(seen) == list(range(ids.numel()))
+    assert blocks.order.tolist() == [1, 6, 3, 0, 2, 5, 7, 8, 9, 4]  # by expert (0, 1, 3, 5, 7), then pair order
 
 
-def test_expert_blocks_leave_out_another_ranks_experts() -> None:
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_expert_blocks_leave_out_another_ranks_experts(layout) -> None:
     ids = torch.tensor([[0, 5], [6, 2], [4, 7]])
-    blocks = expert_blocks(ids, first_expert=4, num_experts=2, block_m=4)  # this rank holds experts 4 and 5
+    blocks = layout(ids, first_expert=4, num_experts=2, block_m=4)  # this rank holds experts 4 and 5
     used = [(e, s, t) for e, s, t in zip(blocks.expert.tolist(), blocks.start.tolist(), blocks.end.tolist()) if s < t]
     assert [e for e, _, _ in used] == [0, 1]
     assert sorted(ids.flatten()[blocks.order[s:t]].item() for _, s, t in used) == [4, 5]
@@ -130,6 +128,31 @@ def test_a_ranks_experts_interpreter() -> None:
     for j in (0, 1, 6, 7):
         layer.experts[j] = None
     check_fused(layer, 7, torch.float32, MoELaunch(block_m=16, block_n=16, block_k=16, num_warps=4, num_stages=2))
+
+
+@cpu_only
+def test_the_sorted_layout_feeds_the_kernels_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step with more pairs than the layout kernel takes: the sort's blocks, the same GEMM kernels."""
+    monkeypatch.setattr(fused_moe_module, "LAYOUT_KERNEL_MAX_PAIRS", 8)
+    layer = moe_layer(hidden=32, inter=16, experts=8, top_k=3, dtype=torch.float32)
+    check_fused(layer, 9, torch.float32, MoELaunch(block_m=16, block_n=16, block_k=16, num_warps=4, num_stages=2))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("held", [range(8), range(2, 6)])
+def test_grouped_gemm_experts_equal_the_torch_loop(dtype: torch.dtype, held: range) -> None:
+    """The library's grouped GEMM (a prefill chunk's path on Hopper) adds what the torch loop adds, for a rank
+    holding all experts or experts 2..5 of 8 (the others' pairs fall past every group)."""
+    layer = moe_layer(hidden=64, inter=32, experts=8, top_k=3, dtype=dtype)
+    for j in set(range(8)) - set(held):
+        layer.experts[j] = None
+    x = torch.randn(50, 64, device=DEVICE).to(dtype)
+    ids, weights = layer.gate(x)
+    want = reference_experts(layer, x, ids, weights)
+    layer.fuse_projections()
+    got = grouped_gemm_experts(x, ids, weights, layer.stacked.w13, layer.stacked.w2, layer.stacked.first_expert)
+    atol, rtol = TOL[dtype]
+    torch.testing.assert_close(got, want, atol=atol, rtol=rtol)
 
 
 def test_stacking_keeps_names_values_and_memory() -> None:
@@ -163,10 +186,24 @@ def test_fused_moe_gpu(shape, num_tokens: int) -> None:
 
 
 @pytest.mark.gpu
-def test_fused_moe_cuda_graph() -> None:
-    """The whole MoE layer (routing, blocks, both GEMMs) replays from one capture with new inputs."""
+@pytest.mark.parametrize("shape", GPU_SHAPES)
+def test_a_prefill_chunks_experts_on_the_gpu(shape) -> None:
+    """4096 tokens: more pairs than the fused kernel is used for (the grouped GEMM where it runs)."""
+    layer = moe_layer(*shape, dtype=torch.bfloat16)
+    x = torch.randn(4096, shape[0], device=DEVICE, dtype=torch.bfloat16)
+    ids, weights = layer.gate(x)
+    want = reference_experts(layer, x, ids, weights)
+    layer.fuse_projections()
+    torch.testing.assert_close(layer.run_experts(x, ids, weights), want, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [16, 2048])
+def test_fused_moe_cuda_graph(num_tokens: int) -> None:
+    """The whole MoE layer (routing, blocks, both GEMMs) replays from one capture with new inputs, at a verify
+    step's size and at the largest batch's (8192 pairs: the sorted layout, the grouped GEMM where it runs)."""
     layer = moe_layer(*GPU_SHAPES[0], dtype=torch.bfloat16)
-    x = torch.randn(16, GPU_SHAPES[0][0], device=DEVICE, dtype=torch.bfloat16)
+    x = torch.randn(num_tokens, GPU_SHAPES[0][0], device=DEVICE, dtype=torch.bfloat16)
     layer.fuse_projections()
     layer.expert_sum(x)
     torch.cuda.synchronize()
