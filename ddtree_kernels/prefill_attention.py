@@ -133,9 +133,10 @@ def build_latent_plans(w_uk: torch.Tensor, w_uv: torch.Tensor, rope_dim: int, ch
     lengths = latent_segments(chunk, max_prefix, segment)
     entries = torch.zeros(max([chunk, *lengths]), rank + rope_dim, dtype=w_uk.dtype, device=w_uk.device)
     query = torch.zeros(chunk, heads, nope + rope_dim, dtype=w_uk.dtype, device=w_uk.device).transpose(0, 1)
-    attention_with_lse(query, *expand_latents(entries[:chunk], w_uk, w_uv), True, 1.0)
+    weights = expansion_weights(w_uk, w_uv, rope_dim)
+    attention_with_lse(query, *expand_latents(entries[:chunk], weights), True, 1.0)
     for length in lengths:
-        attention_with_lse(query, *expand_latents(entries[:length], w_uk, w_uv), False, 1.0)
+        attention_with_lse(query, *expand_latents(entries[:length], weights), False, 1.0)
     return 1 + len(lengths)
 
 
@@ -160,13 +161,24 @@ def prefill_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Ten
     return merged
 
 
-def expand_latents(entries: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """MLA cache entries [L, kv_lora_rank + rope] -> per-head keys [H, L, nope + rope] (the RoPE key shared by
-    all heads) and values [H, L, v_head_dim], through kv_b_proj's halves W_UK [H, nope, r] and W_UV [H, v, r]."""
-    latent, rope_key = entries.split([w_uk.shape[-1], entries.shape[-1] - w_uk.shape[-1]], dim=-1)
-    keys = torch.einsum("lr,hdr->hld", latent, w_uk)
-    keys = torch.cat([keys, rope_key[None].expand(keys.shape[0], -1, -1)], dim=-1)
-    return keys, torch.einsum("lr,hvr->hlv", latent, w_uv)
+def expansion_weights(w_uk: torch.Tensor, w_uv: torch.Tensor, rope_dim: int) -> torch.Tensor:
+    """kv_b_proj's halves W_UK [H, nope, r] and W_UV [H, v, r] as one [r + rope, 2, H, nope + rope] matrix that
+    turns MLA cache entries [L, r + rope] into every head's key [latent W_UK^T | shared RoPE key] and value (zero-
+    padded to the key width, as cuDNN takes values) in one GEMM: the RoPE key passes through an identity block
+    (exact in any dtype), where building keys from a narrower GEMM's output and the RoPE key copied both again."""
+    heads, nope, rank = w_uk.shape
+    weights = w_uk.new_zeros(rank + rope_dim, 2, heads, nope + rope_dim)
+    weights[:rank, 0, :, :nope] = w_uk.permute(2, 0, 1)
+    weights[rank:, 0, :, nope:] = torch.eye(rope_dim, dtype=w_uk.dtype, device=w_uk.device)[:, None]
+    weights[:rank, 1, :, :w_uv.shape[1]] = w_uv.permute(2, 0, 1)
+    return weights
+
+
+def expand_latents(entries: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """MLA cache entries [L, r + rope] -> per-head keys [H, L, nope + rope] and values [H, L, nope + rope] (the
+    first v_head_dim columns real), views of one GEMM's [L, 2, H, nope + rope] output (`expansion_weights`)."""
+    out = (entries @ weights.flatten(1)).view(entries.shape[0], *weights.shape[1:])
+    return out[:, 0].transpose(0, 1), out[:, 1].transpose(0, 1)
 
 
 def latent_prefill_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, pages: torch.Tensor,
@@ -175,16 +187,18 @@ def latent_prefill_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, pages: 
     """An MLA model's long prefill chunk, expanded rather than absorbed: the absorbed form costs
     2 x (kv_lora_rank + rope + kv_lora_rank) FLOPs per query head and key, the expanded one 2 x (nope + rope + v)
     (1088 against 320 for DeepSeek / GLM shapes) at the fused attention's rate, plus expanding the prefix through
-    kv_b_proj once per chunk (~10% more at a 4k chunk). The prefix is expanded `segment` tokens at a time (its
-    per-head K/V would not fit at once for 128 heads), each segment's attention merged by log-sum-exp.
+    kv_b_proj once per chunk (~17% more at a 4k chunk: one GEMM, `expansion_weights`). The prefix is expanded
+    `segment` tokens at a time (its per-head K/V would not fit at once for 128 heads), each segment's attention
+    merged by log-sum-exp.
 
     q_nope: [C, H, nope], q_rope: [C, H, rope] rotated; pages: one layer's latent pool [num_pages, P, 1, entry];
     entries: [C, entry] the chunk's own -> [C, H, v_head_dim]."""
     query = torch.cat([q_nope, q_rope], dim=-1).transpose(0, 1)  # [H, C, nope + rope]
-    out, lse = attention_with_lse(query, *expand_latents(entries, w_uk, w_uv), True, sm_scale)
+    weights = expansion_weights(w_uk, w_uv, q_rope.shape[-1])
+    out, lse = attention_with_lse(query, *expand_latents(entries, weights), True, sm_scale)
     prefix = gather_prefix(pages, block_table, prefix_len)[:, 0] if prefix_len else entries[:0]
     for start in range(0, prefix_len, segment):
-        part, part_lse = attention_with_lse(query, *expand_latents(prefix[start:start + segment], w_uk, w_uv), False,
+        part, part_lse = attention_with_lse(query, *expand_latents(prefix[start:start + segment], weights), False,
                                             sm_scale)
         out, lse = merge_by_lse(out, lse, part, part_lse), torch.logaddexp(lse, part_lse)
-    return out.transpose(0, 1)
+    return out[..., :w_uv.shape[1]].transpose(0, 1)
