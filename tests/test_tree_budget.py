@@ -147,6 +147,19 @@ def test_cost_model_prior_measurements_interpolation_and_nearest_context() -> No
     assert model.estimate(16, 1200) == pytest.approx(decayed)
 
 
+def test_a_buckets_time_counts_at_the_sizes_it_was_measured_at() -> None:
+    """Batches of 148 rows and of 337 (bucket 512: three 63-node explorations beside 64 small trees): 62 more rows
+    than 148 cost 62 rows' share of the measured difference, not the share a time taken for 512 rows would give."""
+    model = CostModel(prior_s=0.01, slope=1 / 64)
+    model.observe(148, 1000, 0.0163)
+    model.observe(337, 1000, 0.0206)
+    slope = (0.0206 - 0.0163) / (337 - 148)
+    assert model.estimate(210, 1000) - model.estimate(148, 1000) == pytest.approx(62 * slope)
+    assert model.estimate(512, 1000) == pytest.approx(0.0206)  # past the largest measured size: what it cost
+    model.observe(200, 1000, 0.0150)  # NOTE: a noisy time below the smaller size's: a larger batch never looks cheaper
+    assert all(model.estimate(n, 1000) <= model.estimate(n + 1, 1000) for n in range(1, 600))
+
+
 # ---- the adaptive policy on simulated sessions -------------------------------------------------------------
 
 MAX = 63
@@ -349,6 +362,27 @@ def test_a_path_that_runs_into_the_tree_edge_tries_the_next_size_up() -> None:
     assert choose(policy) == 1
 
 
+def test_a_tree_accepted_whole_drops_the_larger_budgets_records_it_disproves() -> None:
+    """A larger best-first tree holds the smaller one, so it would have accepted at least as much: records that
+    expect less (failures from before the text repeated) go, and the service's record answers for those budgets
+    again; a record that expects as much stays."""
+    costs, shared = StepCosts(), ServiceRecord()
+    for _ in range(3):  # NOTE: the service's sessions see trees of 15 accept 13
+        FixedBudget(15, shared, candidate_budgets(MAX)).observe(15, DraftTree.chain(list(range(15))),
+                                                                 list(range(13)))
+    policy = adaptive(costs, shared)
+    first_step(policy, costs)
+    policy.observe(15, DraftTree.chain(list(range(15))), [])  # a failure: its record says 15 accepts nothing
+    assert policy.own.mean(15)[0] == 0
+    policy.observe(3, DraftTree.chain([0, 1, 2]), [0, 1, 2])  # a probe accepted whole
+    assert 15 not in policy.own and 31 not in policy.own
+    assert policy.expected(15)[0] == pytest.approx(shared.mean(15)[0])  # NOTE: what the service's sessions get
+    assert shared.mean(15)[0] > 5
+    policy.observe(7, DraftTree.chain(list(range(7))), [0, 1])  # 7 accepts 2: the record at 7 says 2
+    policy.observe(1, DraftTree.chain([0]), [0])  # a tree of 1 accepted whole: 7's record (2 >= 1) stays
+    assert policy.own.mean(7)[0] == pytest.approx(2, abs=0.6)
+
+
 # ---- the batch's plan ----------------------------------------------------------------------------------------
 
 
@@ -530,6 +564,10 @@ def test_a_plain_step_never_measured_is_measured_once_when_drafting_is_no_clear_
     # NOTE: one session repeats itself among 63 whose drafts seldom pay: their trees must not be taken for its (0.83x)
     (ROUND_BOUND, Workload(accept=1, every=33, siblings=True, found=4, looping=64), 64),
     (PASS_BOUND, Workload(accept=1, every=33, siblings=True, found=4, looping=64), 64),
+    # NOTE: rows priced at the sizes their times were measured at: explorations at the maximum looked nearly free
+    (PASS_BOUND, Workload(accept=1), 64),
+    # NOTE: a probe accepted whole drops the failures of the warm-up from the larger budgets' records
+    (ROUND_BOUND, Workload(accept=13, warmup=8), 64),
 ])
 def test_the_adaptive_policy_keeps_up_with_the_best_fixed_budget(engine, workload, sessions) -> None:
     """Within 5% of the best of budgets 0 (plain), 7, 15, 31 and 63, on simulated batches. The cases it does not

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import math
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -31,80 +33,78 @@ class DecayedMean:
         return self.total / self.weight
 
 
+class Cell(NamedTuple):
+    """One (size bucket, context bucket) cell of a cost model: decayed means of its measured times and sizes."""
+
+    seconds: DecayedMean
+    size: DecayedMean
+
+
 class CostModel:
     """Seconds of one part of a step (a verify of T rows, a draft of b nodes), learnt online per (size bucket,
-    context bucket) as a decayed mean of measured times.
+    context bucket) as decayed means of the measured times and of the sizes they were measured at.
 
-    A size with no measurement at its context is interpolated between the measured sizes around it. Past the largest
-    measured size it costs what that one did, until tried: an estimate that guessed larger batches dear (a prior, or
-    a line through two small sizes) kept every session from ever trying one. Below the smallest it follows the line
-    through the two smallest, no cheaper than the smallest, or with one measured size the prior's shape, seconds =
-    prior_s * (1 + slope * size). With no measurement at all the prior answers. A context with no measurement
-    borrows the nearest measured context's row. Why buckets: sizes and contexts vary step by step, powers of two
-    keep a handful of cells, each one measured often; why a decayed mean: the costs move with the load (other
+    A size is priced on the line through the measured points around it (each bucket's mean size and mean time, the
+    times made non-decreasing in size). Past the largest measured size it costs what that one did, until tried: an
+    estimate that guessed larger batches dear (a prior, or a line through two small sizes) kept every session from
+    ever trying one. Below the smallest it follows the line through the two smallest, no cheaper than the smallest,
+    or with one measured size the prior's shape, seconds = prior_s * (1 + slope * size). With no measurement at all
+    the prior answers. A context with no measurement borrows the nearest measured context's row. Why buckets: sizes
+    and contexts vary step by step, powers of two keep a handful of cells, each one measured often; why their mean
+    sizes rather than their tops: a bucket's steps seldom fill it (a batch of 64 one-node trees has 128 rows, with
+    three explorations of 63 nodes 337, in the bucket of 512), and a time taken for the top made every row between
+    two buckets look several times cheaper than it is; why decayed means: the costs move with the load (other
     sessions share the batch)."""
 
     def __init__(self, prior_s: float, slope: float, decay: float = 0.9):
         self.prior_s, self.slope, self.decay = prior_s, slope, decay
-        self.rows: dict[int, dict[int, DecayedMean]] = {}  # context bucket -> size bucket -> seconds
-        self.memo: dict[tuple[int, int], float] = {}  # (size bucket, context bucket) -> seconds, until an observe
+        self.rows: dict[int, dict[int, Cell]] = {}  # context bucket -> size bucket -> its measurements
+        self.lines: dict[int, tuple[list[float], list[float]]] = {}  # context bucket -> its points, until an observe
 
     def prior(self, size: float) -> float:
-        return self.prior_s * self._shape(size)
-
-    def _shape(self, size: float) -> float:
-        return 1 + self.slope * size
+        return self.prior_s * (1 + self.slope * size)
 
     def observe(self, size: float, context: int, seconds: float) -> None:
-        self.rows.setdefault(bucket(context), {}).setdefault(bucket(size), DecayedMean(self.decay)).add(seconds)
-        self.memo.clear()
+        cell = self.rows.setdefault(bucket(context), {}).get(bucket(size))
+        if cell is None:
+            cell = self.rows[bucket(context)][bucket(size)] = Cell(DecayedMean(self.decay), DecayedMean(self.decay))
+        cell.seconds.add(seconds)
+        cell.size.add(size)
+        self.lines.clear()
 
     def measured(self, size: float, context: int) -> bool:
         """Whether a size of `size`'s bucket was measured at `context`'s bucket."""
         return bucket(size) in self.rows.get(bucket(context), ())
 
     def estimate(self, size: float, context: int) -> float:
-        """Seconds at `size`: on the line between the estimates of its bucket and the one below, each taken at its
-        bucket's top (two sizes of one bucket, 65 and 127 rows say, must not look equally costly, and a size just
-        past a bucket's top must not look cheaper than the top)."""
-        key, context_key = bucket(size), bucket(context)
-        upper = self._bucket_estimate(key, context_key)
-        if key == 1:
-            return upper
-        lower = self._bucket_estimate(key // 2, context_key)
-        return lower + (upper - lower) * (size - key // 2) / (key // 2)
-
-    def _bucket_estimate(self, key: int, context_key: int) -> float:
-        """Seconds at the top of bucket `key`, remembered until the next measurement (every session asks a dozen
-        of these per step, and the batch's measurements change once per step)."""
-        known = self.memo.get((key, context_key))
-        if known is None:
-            known = self.memo[key, context_key] = self._measured_estimate(key, context_key)
-        return known
-
-    def _measured_estimate(self, key: int, context_key: int) -> float:
         if not self.rows:
-            return self.prior(key)
-        row = self._nearest_row(context_key)
-        if key in row:
-            return row[key].value
-        lower = max((k for k in row if k < key), default=None)
-        upper = min((k for k in row if k > key), default=None)
-        if lower is not None and upper is not None:
-            low, high = row[lower].value, row[upper].value
-            return low + (high - low) * (key - lower) / (upper - lower)
-        if upper is None:  # NOTE: optimism: past the largest measured size, what that one cost, until tried
-            return row[lower].value
-        side = sorted(k for k in row if k > key)[:2]
-        if len(side) == 2:  # NOTE: along the line through the two smallest measured sizes, no cheaper than the first
-            near, far = row[side[0]].value, row[side[1]].value
-            return max(near + (far - near) / (side[1] - side[0]) * (key - side[0]), min(near, far))
-        return row[upper].value * self.prior(key) / self.prior(upper)
+            return self.prior(size)
+        sizes, times = self._line(bucket(context))
+        at = bisect.bisect_left(sizes, size)
+        if at == len(sizes):  # NOTE: optimism: past the largest measured size, what that one cost, until tried
+            return times[-1]
+        if sizes[at] == size:
+            return times[at]
+        if at > 0:
+            return times[at - 1] + (times[at] - times[at - 1]) * (size - sizes[at - 1]) / (sizes[at] - sizes[at - 1])
+        if len(sizes) == 1:
+            return times[0] * self.prior(size) / self.prior(sizes[0])
+        # NOTE: along the line through the two smallest measured sizes, no cheaper than the first
+        return max(times[0] + (times[1] - times[0]) / (sizes[1] - sizes[0]) * (size - sizes[0]), times[0])
 
-    def _nearest_row(self, context_key: int) -> dict[int, DecayedMean]:
-        """The measured row of the context bucket nearest to `context_key` (in powers of two)."""
-        near = context_key.bit_length()
-        return self.rows[min(self.rows, key=lambda c: (abs(c.bit_length() - near), c))]
+    def _line(self, context_key: int) -> tuple[list[float], list[float]]:
+        """The measured points of the context bucket nearest to `context_key` (in powers of two): sizes ascending,
+        times non-decreasing; remembered until the next measurement (every session asks a dozen estimates per step,
+        and the batch's measurements change once per step)."""
+        line = self.lines.get(context_key)
+        if line is None:
+            near = context_key.bit_length()
+            row = self.rows[min(self.rows, key=lambda c: (abs(c.bit_length() - near), c))]
+            points = sorted((cell.size.value, cell.seconds.value) for cell in row.values())
+            sizes = [size for size, _ in points]
+            times = list(itertools.accumulate((seconds for _, seconds in points), max))
+            line = self.lines[context_key] = (sizes, times)
+        return line
 
 
 class BatchShape(NamedTuple):

@@ -150,8 +150,9 @@ class AdaptiveBudget:
 
     An empty draft (the drafter found nothing to propose) counts as a failure only when the one before was empty too,
     and then as a quarter of one.
-    Two ways up: a path that ran into the tree's edge (it ended at a leaf of a tree the budget had cut) asks for the
-    next candidate up (`Offer.wanted`), unless that one was verified lately, which the session gets in the next pass
+    Two ways up: a path that ran into the tree's edge (it ended at a leaf of a tree the budget had cut) drops the
+    larger budgets' records that expect fewer nodes than it accepted, and asks for the next candidate up
+    (`Offer.wanted`), unless that one was verified lately, which the session gets in the next pass
     that drafts at all (or once most of the batch asks); and after two paying steps in a row, the maximum is
     verified again (its offer pins it) as often as keeps those explorations under `explore_share` of the batch's
     time (all its sessions' explorations together)."""
@@ -267,6 +268,12 @@ class AdaptiveBudget:
                 self.own.add(larger, 0, larger, weight * FAILED_BELOW_WEIGHT)
                 self.verified_at.setdefault(larger, self.steps)
         if len(tree) == budget and path and path[-1] not in tree.parents:
+            # NOTE: a larger best-first tree holds this one, so it would have accepted as much: records that expect
+            # less (failures from before the text repeated) are stale, and the service's record answers again
+            for larger in (b for b in self.candidates if b > budget):
+                if larger in self.own and self.own.mean(larger)[0] < len(path):
+                    self.own.records.pop(larger)
+                    self.verified_at.pop(larger)
             larger = next((b for b in self.candidates if b > budget), None)
             if larger is not None and (larger not in self.own or self.own.weight(larger) * self.age_decay ** (
                     self.steps - self.verified_at[larger]) < 1):  # NOTE: a recent verify already told what it accepts
