@@ -77,6 +77,7 @@ class CostModel:
         return bucket(size) in self.rows.get(bucket(context), ())
 
     def estimate(self, size: float, context: int) -> float:
+        """Seconds of a part of `size` at `context` (how: the class's docstring)."""
         if not self.rows:
             return self.prior(size)
         sizes, times = self._line(bucket(context))
