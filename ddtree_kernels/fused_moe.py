@@ -83,8 +83,7 @@ def expert_blocks(ids: torch.Tensor, first_expert: int, num_experts: int, block_
 
 def expert_blocks_by_sort(ids: torch.Tensor, first_expert: int, num_experts: int, block_m: int) -> ExpertBlocks:
     """The same layout from torch's stable sort (a block's expert: how many experts' blocks end at or before it)."""
-    local = local_experts(ids, first_expert, num_experts)
-    counts = expert_counts(local, num_experts)
+    local, order, counts = pairs_by_expert(ids, first_expert, num_experts)
     blocks = (counts + block_m - 1) // block_m
     block_end = blocks.cumsum(0)
     pair_start = counts.cumsum(0) - counts
@@ -93,19 +92,19 @@ def expert_blocks_by_sort(ids: torch.Tensor, first_expert: int, num_experts: int
     own = expert.clamp(max=num_experts - 1)
     start = pair_start[own] + (index - (block_end - blocks)[own]) * block_m
     end = torch.where(expert < num_experts, torch.minimum(start + block_m, pair_start[own] + counts[own]), start)
-    return ExpertBlocks(*(t.to(torch.int32) for t in (local.argsort(stable=True), expert, start, end)))
+    return ExpertBlocks(*(t.to(torch.int32) for t in (order, expert, start, end)))
 
 
-def local_experts(ids: torch.Tensor, first_expert: int, num_experts: int) -> torch.Tensor:
-    """[N * k] the pairs' experts on this rank, `num_experts` for another rank's (sorted after all of this one's)."""
+def pairs_by_expert(ids: torch.Tensor, first_expert: int,
+                    num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ids: [N, k] global expert ids -> the pairs' local experts [N * k] (`num_experts` for another rank's), the
+    pair ids in a stable order by local expert (another rank's last), and [E] int64 pairs per local expert (no
+    host sync, as bincount would have)."""
     local = ids.flatten() - first_expert
-    return torch.where((local >= 0) & (local < num_experts), local, num_experts)
-
-
-def expert_counts(local: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """[E] int64 pairs per local expert, from `local_experts` (no host sync, as bincount would have)."""
+    local = torch.where((local >= 0) & (local < num_experts), local, num_experts)
     counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=local.device)
-    return counts.index_add_(0, local, torch.ones_like(local))[:num_experts]
+    counts = counts.index_add_(0, local, torch.ones_like(local))[:num_experts]
+    return local, local.argsort(stable=True), counts
 
 
 @triton.jit

@@ -138,12 +138,11 @@ def grouped_gemm_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tens
     rank's experts sort last, past every group: their rows are left unwritten, so they are dropped, never scaled.
     x: [N, hidden]; ids, weights: [N, k]; w13: [E, 2I, hidden]; w2: [E, hidden, I] -> [N, hidden] fp32."""
     # NOTE: Triton loads only where it runs
-    from ddtree_kernels.fused_moe import expert_counts, local_experts, weighted_pair_sum
+    from ddtree_kernels.fused_moe import pairs_by_expert, weighted_pair_sum
 
     num_experts, inter = w2.shape[0], w2.shape[2]
-    local = local_experts(ids, first_expert, num_experts)
-    order = local.argsort(stable=True)
-    group_ends = expert_counts(local, num_experts).cumsum(0, dtype=torch.int32)
+    local, order, counts = pairs_by_expert(ids, first_expert, num_experts)
+    group_ends = counts.cumsum(0, dtype=torch.int32)
     gate_up = torch._grouped_mm(x[order // ids.shape[1]], w13.transpose(1, 2), offs=group_ends)  # [P, 2I]
     hidden_rows = row_ops(gate_up).silu_mul(gate_up[:, :inter], gate_up[:, inter:])
     out = torch._grouped_mm(hidden_rows, w2.transpose(1, 2), offs=group_ends)  # [P, hidden], in `order`
