@@ -1,8 +1,10 @@
 """Fold the partials of `split_kv.attention_partials` into the attention output by log-sum-exp.
 
-One program per (query token, query head) reads that row's partials as one [BLOCK_S, D] tile: all
-splits' loads are in flight at once instead of one after another, and the grid is wide (tokens x heads),
-so the merge costs about one read of the partials, which the partials stage has just left in L2.
+One program per (query token, query head, block of BLOCK_D columns) reads that row's partials as one
+[BLOCK_S, BLOCK_D] tile: all splits' loads are in flight at once instead of one after another, and the grid is
+wide (tokens x heads x column blocks), so the merge costs about one read of the partials, which the partials
+stage has just left in L2. MLA's 512-wide rows take four column blocks: one program per row streamed its
+[S, 512] fp32 partials in tiles of 16 splits, one after another, with a quarter of the programs in flight.
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ import triton.language as tl
 
 from ddtree_kernels.split_kv import SplitPlan, split_chunk_len
 
-MAX_BLOCK_S = 64  # partials per tile at head_dim <= 128 (fewer for wider rows); more take several tiles
+MAX_BLOCK_S = 64  # partials per tile; more take several tiles
+MAX_BLOCK_D = 128  # columns per program: a wider row is cut into column blocks, each its own program
 
 
 @triton.jit
@@ -21,7 +24,7 @@ def _merge_kernel(
     part_o_ptr, part_lse_ptr, cu_q_ptr, prefix_lens_ptr, out_ptr,  # [S, N, Hq, D], [S, N, Hq], ..., [N, Hq, D]
     num_splits,
     stride_ps, stride_pn, stride_ph, stride_ls, stride_ln, stride_on, stride_oh,
-    NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
+    NUM_Q_HEADS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
     HAS_TREE: tl.constexpr,
 ):
     row = tl.program_id(0)  # token within the sequence x query heads
@@ -36,9 +39,9 @@ def _merge_kernel(
     prefix_splits = tl.minimum(tl.cdiv(prefix_len, split_chunk_len(prefix_len, num_splits, BLOCK_N)), num_splits)
     tree_split = num_splits if HAS_TREE else -1
     last = tl.maximum(prefix_splits, tree_split + 1)
-    dims = tl.arange(0, HEAD_DIM)
+    dims = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
 
-    acc = tl.zeros([HEAD_DIM], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
     m_i = float("-inf")
     l_i = 0.0
     for s0 in range(0, last, BLOCK_S):
@@ -70,17 +73,17 @@ def merge_partials(
     """The attention output of every query row from its prefix splits (and tree partial, when given)."""
     _, num_tokens, num_q_heads, head_dim = part_o.shape
     out = part_o.new_empty(num_tokens, num_q_heads, head_dim, dtype=out_dtype)
-    grid = (max_q_len * num_q_heads, cu_q.shape[0] - 1)
+    assert head_dim & (head_dim - 1) == 0, f"merge_partials: head_dim {head_dim} is not a power of 2"
+    block_d = min(head_dim, MAX_BLOCK_D)
+    grid = (max_q_len * num_q_heads, cu_q.shape[0] - 1, head_dim // block_d)
     if num_tokens == 0 or grid[0] == 0:
         return out
     _merge_kernel[grid](
         part_o, part_lse, cu_q, prefix_lens, out, plan.num_splits,
         part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
         out.stride(0), out.stride(1),
-        NUM_Q_HEADS=num_q_heads, HEAD_DIM=head_dim, BLOCK_N=plan.block_n,
-        BLOCK_S=min(MAX_BLOCK_S * 128 // max(head_dim, 128), triton.next_power_of_2(plan.num_splits + has_tree)),
-        HAS_TREE=has_tree,
-        # NOTE: one [BLOCK_S, D] tile: 2 warps beat 4 at D <= 128 (kernel_tuning.md, section 3); MLA's D = 512 needs 8
-        num_warps=2 if head_dim <= 128 else 4 if head_dim <= 256 else 8,
+        NUM_Q_HEADS=num_q_heads, BLOCK_D=block_d, BLOCK_N=plan.block_n,
+        BLOCK_S=min(MAX_BLOCK_S, triton.next_power_of_2(plan.num_splits + has_tree)), HAS_TREE=has_tree,
+        num_warps=2,  # NOTE: one [BLOCK_S, <= 128] tile: 2 warps beat 4 (kernel_tuning.md, section 3)
     )
     return out

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from ddtree_kernels.commit_kv import commit_kv
-from ddtree_kernels.lse_merge import MAX_BLOCK_S, merge_partials
+from ddtree_kernels.lse_merge import MAX_BLOCK_D, MAX_BLOCK_S, merge_partials
 from ddtree_kernels.reference import (
     commit_kv_reference,
     gather_prefix,
@@ -187,10 +187,11 @@ def test_prefix_chunks_spread_over_every_split_interpreter():
             torch.testing.assert_close(part_lse[split, lo:hi], lse, atol=1e-4, rtol=1e-4)
 
 
-def test_merge_folds_only_written_partials_across_tiles():
+@pytest.mark.parametrize("d", [32, 4 * MAX_BLOCK_D])  # NOTE: MLA's 512-wide rows: one program per column block
+def test_merge_folds_only_written_partials_across_tiles(d: int):
     """More splits than one merge tile holds; a sequence with no prefix has only its tree partial, and
     partials of splits that held no keys (never written: NaN here) are skipped, not folded in."""
-    num_splits, block_n, hq, d = MAX_BLOCK_S + 6, 16, 3, 32
+    num_splits, block_n, hq = MAX_BLOCK_S + 6, 16, 3
     lens = [0, MIN_SPLIT_BLOCKS.value * block_n * num_splits + 5, 100]  # no prefix, every split, 4 splits
     trees = [2, 3, 1]
     gen = torch.Generator().manual_seed(3)
