@@ -139,9 +139,9 @@ def test_long_prefill_chunks_equal_short_ones(request, backend: dict, model: str
                                               prompt_len: int) -> None:
     """Chunks longer than a tree (for MLA: longer than the latent verify kernel takes) take the prefill path; the
     KV they leave and the generation after them are those of a prefill in chunks short enough for the verify
-    kernels."""
+    kernels. A long chunk writes its K/V to its pages itself: the tree scratch holds a step's rows, not a chunk."""
     target = request.getfixturevalue("tiny_target" if model == "dense" else "tiny_mla_target")
-    long = make_engine(target, **backend, max_tree_nodes=15, prefill_chunk=long_chunk)
+    long = make_engine(target, **backend, max_tree_nodes=15, prefill_chunk=long_chunk, max_batch_tokens=32)
     short = make_engine(target, **backend, max_tree_nodes=15, prefill_chunk=short_chunk)
     prompt = prompt_of(prompt_len, seed=4)
     outputs = []
@@ -150,6 +150,7 @@ def test_long_prefill_chunks_equal_short_ones(request, backend: dict, model: str
         engine.start_generation("s", GREEDY)
         outputs.append(run_to_end(engine, "s", lambda _: DraftTree.empty())[0])
     assert long.prefill_chunk == long_chunk < prompt_len and long.verify_block_tokens < long_chunk
+    assert long.scratch.k.shape[1] == max(32, long.verify_block_tokens) < long_chunk
     assert outputs[0] == outputs[1]
     prompt_slots = [long.session("s").block_table.slot(i) for i in range(len(prompt) - 1)]
     for pages_long, pages_short in ((long.kv.k, short.kv.k), (long.kv.v, short.kv.v)):

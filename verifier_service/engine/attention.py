@@ -145,15 +145,24 @@ class PagedVerifyAttention:
 
 class PagedPrefillAttention(PagedVerifyAttention):
     """The same for one long prefill chunk (`batch` is a PrefillChunk): causal over the chunk, no tree mask; MLA
-    layers take the expanded form."""
+    layers take the expanded form. A chunk's positions are all kept, so its K/V go straight to its pages, layer by
+    layer, rather than through the tree scratch and a commit: the scratch need not hold a chunk, however long."""
+
+    def kv_buffers(self, layer: int, num_tokens: int) -> None:
+        return None
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        chunk_k, chunk_v = self.in_scratch(layer, k, v)
-        return self.backend.prefill(q, self.kv.k[layer], self.kv.v[layer], chunk_k, chunk_v, self.batch,
-                                    self.sm_scale)
+        self._into_pages(self.kv.k[layer], k)
+        self._into_pages(self.kv.v[layer], v)
+        return self.backend.prefill(q, self.kv.k[layer], self.kv.v[layer], k, v, self.batch, self.sm_scale)
 
     def latent_expanded(self, layer: int, q_nope: torch.Tensor, q_rope: torch.Tensor, entries: torch.Tensor,
                         w_uk: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
-        self.scratch.k[layer, :entries.shape[0], 0] = entries
+        self._into_pages(self.kv.k[layer], entries[:, None])
         return self.backend.prefill_latent(q_nope, q_rope, self.kv.k[layer], entries, self.batch, w_uk, w_uv,
                                            self.sm_scale)
+
+    def _into_pages(self, pages: torch.Tensor, rows: torch.Tensor) -> None:
+        """rows [C, heads, D] into one layer's pool [num_pages, P, heads, D] at the chunk's slots (the prefix part
+        of the attention reads only positions before the chunk, so the order does not matter)."""
+        pages.view(-1, *pages.shape[2:]).index_copy_(0, self.batch.slots, rows)

@@ -29,7 +29,7 @@ class EngineConfig:
     kv_budget_bytes: int = 256 << 20  # K and V pages of all layers together
     max_tree_nodes: int = 255  # draft nodes per tree (the verify block holds one more: the root)
     prefill_chunk: int | None = None  # None: LONG_PREFILL_CHUNK on CUDA, else TRITON_MAX_BLOCK
-    max_batch_tokens: int = 2048  # rows of one step's verify blocks together (the scratch holds a prefill chunk too)
+    max_batch_tokens: int = 2048  # rows of one step's verify blocks together (the tree scratch's rows)
     max_batch_sessions: int = 256  # sessions in one step; more wait for the next (verifier_service/step_loop.py)
     max_context: int | None = None  # defaults to the model's max_position_embeddings
     dtype: str = "float32"

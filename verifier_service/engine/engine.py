@@ -85,7 +85,9 @@ class Engine:
         # by the prefill path (MLA: chunks longer than the latent verify kernel takes)
         latent_chunk = min(self.prefill_chunk, TRITON_MAX_BLOCK) if latent else 0
         self.verify_block_tokens = max(config.max_tree_tokens, latent_chunk)
-        self.scratch = TreeScratch(model.shard_config, max(config.max_batch_tokens, self.prefill_chunk), dtype, device)
+        # NOTE: a longer prefill chunk writes its K/V straight to its pages (PagedPrefillAttention)
+        self.scratch = TreeScratch(model.shard_config, max(config.max_batch_tokens, self.verify_block_tokens), dtype,
+                                   device)
         self.backend = make_backend(config.attention)
         self.sm_scale = self.model_config.attention_scale
         # NOTE: an MLA layer's attention returns the attention-weighted latents: its first kv_lora_rank columns
@@ -297,8 +299,13 @@ class Engine:
     def _prefill_chunk(self, block_table: BlockTable, tokens: list[int], start: int, end: int) -> torch.Tensor | None:
         """Positions [start, end) into the pages; returns their target features."""
         _, features = self.forward([BlockSpec.chain(start, tokens[start:end], block_table.pages)])
-        self.commit(list(range(end - start)), [block_table.slot(position) for position in range(start, end)])
+        if not self._takes_prefill_path(end - start):  # NOTE: the prefill path writes its K/V to the pages itself
+            self.commit(list(range(end - start)), [block_table.slot(position) for position in range(start, end)])
         return features
+
+    def _takes_prefill_path(self, rows: int) -> bool:
+        """Whether a block of one session with this many rows is a prefill chunk rather than a verify block."""
+        return rows > self.verify_block_tokens
 
     # ---- the operations on the model and the KV tensors (a tensor-parallel rank 0 mirrors each to its peers) --
 
@@ -307,8 +314,8 @@ class Engine:
         """One forward over packed verify blocks: their K/V go to the tree scratch, never the pages. A block
         longer than any tree is a prefill chunk: it runs eagerly through the prefill path. `input_ids`: the rows'
         tokens already on the device (a decode burst's last choices), in place of the blocks' own."""
-        if len(blocks) == 1 and len(blocks[0].tokens) > self.verify_block_tokens:
-            chunk = build_prefill_chunk(blocks[0], self.device)
+        if len(blocks) == 1 and self._takes_prefill_path(len(blocks[0].tokens)):
+            chunk = build_prefill_chunk(blocks[0], self.config.page_size, self.device)
             return self._forward(chunk, PagedPrefillAttention)
         replayed = self.graphs.run(blocks, self.feature_layers, input_ids) if self.graphs is not None else None
         if replayed:

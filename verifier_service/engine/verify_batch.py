@@ -57,18 +57,21 @@ class PrefillChunk:
     positions: torch.Tensor  # [C]
     block_table: torch.Tensor  # [pages] int32
     prefix_len: int
+    slots: torch.Tensor  # [C] int64: each position's flat page slot (page * P + offset), where its K/V go
 
     @property
     def num_tokens(self) -> int:
         return self.input_ids.shape[0]
 
 
-def build_prefill_chunk(block: BlockSpec, device: torch.device | str) -> PrefillChunk:
+def build_prefill_chunk(block: BlockSpec, page_size: int, device: torch.device | str) -> PrefillChunk:
     positions = torch.arange(block.prefix_len, block.prefix_len + len(block.tokens))
+    pages = torch.tensor(block.pages or [0])
+    slots = pages[positions // page_size] * page_size + positions % page_size
     return PrefillChunk(input_ids=torch.tensor(block.tokens).to(device, non_blocking=True),
                         positions=positions.to(device, non_blocking=True),
-                        block_table=torch.tensor(block.pages or [0], dtype=torch.int32).to(device, non_blocking=True),
-                        prefix_len=block.prefix_len)
+                        block_table=pages.to(device=device, dtype=torch.int32, non_blocking=True),
+                        prefix_len=block.prefix_len, slots=slots.to(device, non_blocking=True))
 
 
 def _signed32(word: int) -> int:
