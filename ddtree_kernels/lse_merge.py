@@ -3,8 +3,8 @@
 One program per (query token, query head, block of BLOCK_D columns) reads that row's partials as one
 [BLOCK_S, BLOCK_D] tile: all splits' loads are in flight at once instead of one after another, and the grid is
 wide (tokens x heads x column blocks), so the merge costs about one read of the partials, which the partials
-stage has just left in L2. MLA's 512-wide rows take four column blocks: one program per row streamed its
-[S, 512] fp32 partials in tiles of 16 splits, one after another, with a quarter of the programs in flight.
+stage has just left in L2. MLA's 512-wide rows take four column blocks (a program per whole row had to stream
+its [S, 512] fp32 partials 16 splits at a time, one tile after another).
 """
 
 from __future__ import annotations
