@@ -166,3 +166,5 @@ def test_prefill_chunk_defaults() -> None:
     assert EngineConfig().prefill_chunk_tokens == TRITON_MAX_BLOCK  # the CPU
     assert EngineConfig(device="cuda", attention="triton").prefill_chunk_tokens == LONG_PREFILL_CHUNK  # MLA too
     assert EngineConfig(device="cuda", attention="triton", prefill_chunk=1024).prefill_chunk_tokens == 1024
+    with pytest.raises(ValueError, match="lone_prefill_chunk .5000. must be a multiple of the prefill chunk .4096."):
+        EngineConfig(device="cuda", attention="triton", lone_prefill_chunk=5000)

@@ -50,6 +50,12 @@ def generate(service: VerifierService) -> list[int]:
     return asyncio.run(run())
 
 
+async def generated(service: VerifierService, session_id: str) -> list[int]:
+    """A greedy generation's tokens, the session released after it."""
+    return [t async for e in service.generate(session_id, [], GREEDY, False) if isinstance(e, StepEvent)
+            for t in e.result.emitted]
+
+
 def test_no_reachable_drafter_still_generates_exactly(tiny_target) -> None:
     engine = make_engine(tiny_target)
     metrics = VerifierMetrics()
@@ -193,17 +199,11 @@ def test_other_sessions_step_between_the_chunks_of_a_long_prefill(tiny_target) -
         running = await service.create_session(PROMPT)
         calls.clear()
 
-        async def decode() -> list[int]:
-            return [t async for e in service.generate(running.session_id, [], GREEDY, False)
-                    if isinstance(e, StepEvent) for t in e.result.emitted]
-
         async def prefill_then_decode() -> list[int]:
             await asyncio.sleep(0)  # NOTE: the other session is generating first
-            session = await service.create_session(long_prompt)
-            return [t async for e in service.generate(session.session_id, [], GREEDY, False)
-                    if isinstance(e, StepEvent) for t in e.result.emitted]
+            return await generated(service, (await service.create_session(long_prompt)).session_id)
 
-        outputs = await asyncio.gather(decode(), prefill_then_decode())
+        outputs = await asyncio.gather(generated(service, running.session_id), prefill_then_decode())
         await service.stop()
         return outputs
 
@@ -357,3 +357,39 @@ def test_the_engine_thread_and_a_cuda_index_make_the_engines_device_current(monk
         assert current[-1] == (name, torch.device("cuda:2")) and name.startswith("engine")
 
     asyncio.run(main())
+
+
+def test_a_lone_prompt_prefills_in_lone_chunks_and_one_beside_a_generation_in_short_ones(tiny_target) -> None:
+    """--lone-prefill-chunk 96 (the engine's chunk is 24): with nobody else waiting for the engine a prompt goes in
+    chunks of 96 ending at multiples of 96; while another session generates, in chunks of 24, so that session steps
+    between short chunks; every output stays exact."""
+    engine = make_engine(tiny_target, lone_prefill_chunk=96)
+    sizes: list[int] = []
+    prefill_chunk = engine._prefill_chunk
+    engine._prefill_chunk = lambda table, tokens, start, end: (sizes.append(end - start)
+                                                               or prefill_chunk(table, tokens, start, end))
+    long_prompt = [1 + i % 250 for i in range(24 * 12)]  # NOTE: 287 positions to prefill
+
+    async def main() -> tuple[list[int], list[int], list[int]]:
+        service = VerifierService(engine, None, VerifierMetrics())
+        await service.start()
+        alone = await service.create_session(long_prompt)
+        lone_sizes = list(sizes)
+        sizes.clear()
+        await service.release_session(alone.session_id)
+        running = await service.create_session(PROMPT)
+        sizes.clear()
+
+        async def prefill_then_decode() -> list[int]:
+            while not service.loop.steppers:  # NOTE: the other session is generating first
+                await asyncio.sleep(0.001)
+            return await generated(service, (await service.create_session(long_prompt)).session_id)
+
+        decoded, after_prefill = await asyncio.gather(generated(service, running.session_id), prefill_then_decode())
+        await service.stop()
+        return lone_sizes, decoded, after_prefill
+
+    lone_sizes, decoded, after_prefill = asyncio.run(main())
+    assert lone_sizes == [96, 96, 95]
+    assert sizes[:6] == [24] * 6 and sum(sizes) == 287  # NOTE: lone chunks again once the generation has ended
+    assert decoded == plain_generate(engine, PROMPT) and after_prefill == plain_generate(engine, long_prompt)

@@ -56,6 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-context", type=int, default=None)
     parser.add_argument("--prefill-chunk", type=int, default=None,
                         help="tokens per prefill chunk (default: 4096 on CUDA, else 256)")
+    parser.add_argument("--lone-prefill-chunk", type=int, default=None,
+                        help="tokens per prefill chunk while no other session waits for the engine (a multiple of "
+                             "the prefill chunk; larger chunks prefill faster, and a session that arrives meanwhile "
+                             "waits for the chunk under way; default: the prefill chunk always)")
     parser.add_argument("--max-batch-tokens", type=int, default=2048,
                         help="rows (tree nodes + roots) of one verify step; steps beyond it wait for the next")
     parser.add_argument("--max-batch-sessions", type=int, default=256,
@@ -91,6 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
 def engine_config(args: argparse.Namespace, model: ModelConfig) -> EngineConfig:
     return EngineConfig(page_size=args.page_size, kv_budget_bytes=int(args.kv_budget_mb * (1 << 20)),
                         max_tree_nodes=args.max_tree_nodes, prefill_chunk=args.prefill_chunk,
+                        lone_prefill_chunk=args.lone_prefill_chunk,
                         max_batch_tokens=args.max_batch_tokens, max_batch_sessions=args.max_batch_sessions,
                         max_context=args.max_context, decode_burst_steps=args.decode_burst_steps,
                         dtype=args.dtype or model.torch_dtype, device=args.device,

@@ -172,12 +172,20 @@ class VerifierService:
                 await self.admission.admit(lambda: self._call(prefill.reserve), f"the prompt's {prefill.pages_needed}")
             async with self.prefill_turns.turn(prefill.total) as between:
                 try:
-                    while not await self._call(prefill.advance):
+                    while not await self._call(prefill.advance, self._prefill_chunk_now()):
                         report(prefill.done)
                         await between(prefill.total - prefill.done)
                     return
                 except NoFreePages:
                     queued = True
+
+    def _prefill_chunk_now(self) -> int | None:
+        """The lone prefill chunk (--lone-prefill-chunk) while nobody else waits for the engine: no generation
+        stepping, no other prompt waiting for its turn or for pages; else None, the engine's own chunk."""
+        lone = self.engine.config.lone_prefill_chunk
+        if lone and not (self.loop.steppers or self.prefill_turns.waiting or self.admission.waiting):
+            return lone
+        return None
 
     async def _start_generation(self, session_id: str, params: SamplingParams) -> None:
         """Start the generation once the pages it may take are free: at once when its prefill kept them free

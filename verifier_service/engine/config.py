@@ -29,6 +29,9 @@ class EngineConfig:
     kv_budget_bytes: int = 256 << 20  # K and V pages of all layers together
     max_tree_nodes: int = 255  # draft nodes per tree (the verify block holds one more: the root)
     prefill_chunk: int | None = None  # None: LONG_PREFILL_CHUNK on CUDA, else TRITON_MAX_BLOCK
+    # NOTE: a multiple of the prefill chunk: chunks of this many tokens while nobody else waits for the engine (no
+    # generation stepping, no other prompt waiting), where larger chunks run nearer the matmul rate; None: off
+    lone_prefill_chunk: int | None = None
     max_batch_tokens: int = 2048  # rows of one step's verify blocks together (the tree scratch's rows)
     max_batch_sessions: int = 256  # sessions in one step; more wait for the next (verifier_service/step_loop.py)
     max_context: int | None = None  # defaults to the model's max_position_embeddings
@@ -47,6 +50,9 @@ class EngineConfig:
             raise ValueError(f"page_size must be one of {PAGE_SIZES}, got {self.page_size}")
         if self.prefill_chunk is not None and self.prefill_chunk < 1:
             raise ValueError("prefill_chunk must be >= 1")
+        if self.lone_prefill_chunk is not None and self.lone_prefill_chunk % self.prefill_chunk_tokens:
+            raise ValueError(f"lone_prefill_chunk ({self.lone_prefill_chunk}) must be a multiple of the prefill "
+                             f"chunk ({self.prefill_chunk_tokens})")
         if self.max_tree_nodes + 1 > self.max_batch_tokens:
             raise ValueError("max_tree_nodes + 1 must fit in max_batch_tokens")
         if self.graph_max_sessions < 1 or self.max_batch_sessions < 1 or self.decode_burst_steps < 1:

@@ -122,20 +122,22 @@ class Engine:
         return len(self.graphs.graphs)
 
     def _build_prefill_plans(self) -> int:
-        """The fused prefill attention's per-shape plans for every full chunk a prompt up to max_context has (MLA:
-        of its expanded form). Returns the shapes run."""
+        """The fused prefill attention's per-shape plans for every full chunk a prompt up to max_context has, of the
+        prefill chunk's size and of the lone chunk's (MLA: of its expanded form). Returns the shapes run."""
         if self.prefill_chunk <= self.verify_block_tokens or not isinstance(self.backend, TritonBackend):
             return 0
         from ddtree_kernels.prefill_attention import build_latent_plans, build_plans
 
-        shard, max_prefix = self.model.shard_config, self.max_context - self.prefill_chunk
+        shard, built = self.model.shard_config, 0
         try:
-            if shard.mla is not None:
-                w_uk, w_uv = self.model.model.layers[0].self_attn.absorbed_weights()
-                built = build_latent_plans(w_uk, w_uv, shard.mla.qk_rope_head_dim, self.prefill_chunk, max_prefix)
-            else:
-                built = build_plans(shard.num_heads, shard.num_kv_heads, shard.head_dim, self.prefill_chunk,
-                                    max_prefix, self.config.torch_dtype, self.device)
+            for chunk in {self.prefill_chunk, self.config.lone_prefill_chunk or self.prefill_chunk}:
+                max_prefix = self.max_context - chunk
+                if shard.mla is not None:
+                    absorbed = self.model.model.layers[0].self_attn.absorbed_weights()
+                    built += build_latent_plans(*absorbed, shard.mla.qk_rope_head_dim, chunk, max_prefix)
+                else:
+                    built += build_plans(shard.num_heads, shard.num_kv_heads, shard.head_dim, chunk, max_prefix,
+                                         self.config.torch_dtype, self.device)
         except RuntimeError as error:  # NOTE: out of memory, say: the plans are then built on first use, ~40 ms each
             log.warning("the prefill attention plans were not built ahead: %s", error)
             return 0

@@ -18,14 +18,11 @@ from verifier_service.errors import NoFreePages, PrefillStopped
 ChunkForward = Callable[..., torch.Tensor | None]
 
 
-def chunk_bounds(start: int, end: int, chunk: int) -> list[tuple[int, int]]:
-    """[start, end) in one chunk if it fits, else in chunks that end at multiples of `chunk` (the first may be
-    shorter): the prefix lengths a long prompt's chunks attend over then come from a small set, whose per-shape
-    kernel plans are built once and reused."""
-    if end - start <= chunk:
-        return [(start, end)] if start < end else []
-    edges = [start, *range(start - start % chunk + chunk, end, chunk), end]
-    return list(zip(edges, edges[1:]))
+def chunk_end(start: int, end: int, chunk: int) -> int:
+    """Where the chunk from `start` ends: at `end` if the rest fits, else at the next multiple of `chunk` (so the
+    first may be shorter): the prefix lengths a long prompt's chunks attend over then come from a small set, whose
+    per-shape kernel plans are built once and reused."""
+    return end if end - start <= chunk else start - start % chunk + chunk
 
 
 class Prefill:
@@ -41,10 +38,10 @@ class Prefill:
         self.session, self.feature_tail, self.kv = session, feature_tail, kv
         self.tokens = session.tokens + new_tokens
         self.start, self.end = (session.kv_len if session.tokens else 0), len(self.tokens) - 1
-        self.chunks = chunk_bounds(self.start, self.end, chunk)
+        self.chunk, self.next_start = chunk, self.start
         self.forward_chunk, self.register, self.room = forward_chunk, register, room
         self.grows_to, self.promised = grows_to, promised
-        self.next_chunk, self.finished, self.aborted, self.reserved = 0, False, False, False
+        self.finished, self.aborted, self.reserved = False, False, False
         self.tail: list[torch.Tensor] = []
 
     @property
@@ -78,7 +75,7 @@ class Prefill:
     @property
     def done(self) -> int:
         """Tokens prefilled so far."""
-        return self.chunks[self.next_chunk - 1][1] - self.start if self.next_chunk else 0
+        return self.next_start - self.start
 
     @property
     def total(self) -> int:
@@ -89,8 +86,9 @@ class Prefill:
         """The target features of the last `feature_tail` prefilled tokens (the drafter's seed)."""
         return torch.cat(self.tail)[-self.feature_tail:] if self.tail else None
 
-    def advance(self) -> bool:
-        """Prefill the next chunk; True once the whole prompt is in (the session then holds its tokens). The first
+    def advance(self, chunk: int | None = None) -> bool:
+        """Prefill the next chunk (up to `chunk` tokens, by default the engine's); True once the whole prompt is in
+        (the session then holds its tokens). The first
         takes the pages of every new position: NoFreePages, with nothing taken and nothing aborted, when the pool
         does not have them now (the caller may wait for pages and call again). On any other error the prefill is
         aborted: the session is as it was before."""
@@ -100,13 +98,13 @@ class Prefill:
             raise NoFreePages(f"KV cache full: a prompt of {len(self.tokens)} tokens needs {self.pages_to_keep} more "
                               f"pages, {self.room()} free beside what the generations under way may take")
         try:
-            if self.next_chunk < len(self.chunks):
-                chunk_start, chunk_end = self.chunks[self.next_chunk]
-                features = self.forward_chunk(self.session.block_table, self.tokens, chunk_start, chunk_end)
+            if self.next_start < self.end:
+                end = chunk_end(self.next_start, self.end, chunk or self.chunk)
+                features = self.forward_chunk(self.session.block_table, self.tokens, self.next_start, end)
                 if features is not None and self.feature_tail:
                     self.tail.append(features[-self.feature_tail:])
-                self.next_chunk += 1
-            if self.next_chunk == len(self.chunks):
+                self.next_start = end
+            if self.next_start == self.end:
                 self._finish()
         except BaseException:
             self.abort()
@@ -132,7 +130,7 @@ class Prefill:
         """All chunks now; between two it reports the tokens done to `on_progress` and stops (PrefillStopped,
         aborted) once `should_stop()`."""
         while not self.finished:
-            if self.next_chunk:
+            if self.done:
                 on_progress(self.done, self.total)
             if should_stop():
                 self.abort()
