@@ -88,10 +88,9 @@ class Prefill:
 
     def advance(self, chunk: int | None = None) -> bool:
         """Prefill the next chunk (up to `chunk` tokens, by default the engine's); True once the whole prompt is in
-        (the session then holds its tokens). The first
-        takes the pages of every new position: NoFreePages, with nothing taken and nothing aborted, when the pool
-        does not have them now (the caller may wait for pages and call again). On any other error the prefill is
-        aborted: the session is as it was before."""
+        (the session then holds its tokens). The first takes the pages of every new position: NoFreePages, with
+        nothing taken and nothing aborted, when the pool does not have them now (the caller may wait for pages and
+        call again). On any other error the prefill is aborted: the session is as it was before."""
         if self.aborted:
             raise PrefillStopped("the prefill was aborted")
         if not self.reserve():
