@@ -99,6 +99,9 @@ class Outcomes:
     def weight(self, budget: int) -> float:
         return self.records[budget][2]
 
+    def forget(self, budget: int) -> None:
+        self.records.pop(budget, None)
+
 
 class ServiceRecord(Outcomes):
     """What all the service's sessions' trees accepted (decayed over about their last hundred steps), and how a
@@ -272,7 +275,7 @@ class AdaptiveBudget:
             # less (failures from before the text repeated) are stale, and the service's record answers again
             for larger in (b for b in self.candidates if b > budget):
                 if larger in self.own and self.own.mean(larger)[0] < len(path):
-                    self.own.records.pop(larger)
+                    self.own.forget(larger)
                     self.verified_at.pop(larger)
             larger = next((b for b in self.candidates if b > budget), None)
             if larger is not None and (larger not in self.own or self.own.weight(larger) * self.age_decay ** (

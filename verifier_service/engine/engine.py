@@ -130,10 +130,10 @@ class Engine:
 
         shard, built = self.model.shard_config, 0
         try:
+            absorbed = self.model.model.layers[0].self_attn.absorbed_weights() if shard.mla is not None else None
             for chunk in {self.prefill_chunk, self.config.lone_prefill_chunk or self.prefill_chunk}:
                 max_prefix = self.max_context - chunk
-                if shard.mla is not None:
-                    absorbed = self.model.model.layers[0].self_attn.absorbed_weights()
+                if absorbed is not None:
                     built += build_latent_plans(*absorbed, shard.mla.qk_rope_head_dim, chunk, max_prefix)
                 else:
                     built += build_plans(shard.num_heads, shard.num_kv_heads, shard.head_dim, chunk, max_prefix,
