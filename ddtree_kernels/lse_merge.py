@@ -25,7 +25,7 @@ def _merge_kernel(
     num_splits,
     stride_ps, stride_pn, stride_ph, stride_ls, stride_ln, stride_on, stride_oh,
     NUM_Q_HEADS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
-    HAS_TREE: tl.constexpr,
+    HAS_TREE: tl.constexpr, FOLDED_TREE: tl.constexpr,
 ):
     row = tl.program_id(0)  # token within the sequence x query heads
     seq = tl.program_id(1)
@@ -37,6 +37,8 @@ def _merge_kernel(
     prefix_len = tl.load(prefix_lens_ptr + seq)
     # NOTE: the partials stage's own chunks: only the splits that held keys wrote partials (none if num_splits == 0).
     prefix_splits = tl.minimum(tl.cdiv(prefix_len, split_chunk_len(prefix_len, num_splits, BLOCK_N)), num_splits)
+    if FOLDED_TREE:  # NOTE: the last prefix split also holds the tree: split 0 holds it alone without a prefix
+        prefix_splits = tl.maximum(prefix_splits, 1)
     tree_split = num_splits if HAS_TREE else -1
     last = tl.maximum(prefix_splits, tree_split + 1)
     dims = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -69,8 +71,10 @@ def merge_partials(
     has_tree: bool,
     max_q_len: int,
     out_dtype: torch.dtype,
+    folded_tree: bool = False,
 ) -> torch.Tensor:  # [N, Hq, D] in out_dtype
-    """The attention output of every query row from its prefix splits (and tree partial, when given)."""
+    """The attention output of every query row from its prefix splits and tree partial, when `has_tree`: its own,
+    or, `folded_tree`, the last prefix split's (`split_kv.folds_tree`)."""
     _, num_tokens, num_q_heads, head_dim = part_o.shape
     out = part_o.new_empty(num_tokens, num_q_heads, head_dim, dtype=out_dtype)
     assert head_dim & (head_dim - 1) == 0, f"merge_partials: head_dim {head_dim} is not a power of 2"
@@ -83,7 +87,8 @@ def merge_partials(
         part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
         out.stride(0), out.stride(1),
         NUM_Q_HEADS=num_q_heads, BLOCK_D=block_d, BLOCK_N=plan.block_n,
-        BLOCK_S=min(MAX_BLOCK_S, triton.next_power_of_2(plan.num_splits + has_tree)), HAS_TREE=has_tree,
+        BLOCK_S=min(MAX_BLOCK_S, triton.next_power_of_2(part_o.shape[0])),
+        HAS_TREE=has_tree and not folded_tree, FOLDED_TREE=folded_tree,
         num_warps=2,  # NOTE: one [BLOCK_S, <= 128] tile: 2 warps beat 4 (kernel_tuning.md, section 3)
     )
     return out

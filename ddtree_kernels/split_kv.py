@@ -193,6 +193,24 @@ def _attend_tree_block(
 
 
 @triton.jit
+def _attend_own_key(
+    q, acc, m_i, l_i,  # q: [BLOCK_M, D]; acc: [BLOCK_M, D] fp32; m_i, l_i: [BLOCK_M]
+    k_rows, v_rows, row_ok, qk_scale,  # k_rows, v_rows: [BLOCK_M] pointers to each row's own key and value
+    HEAD_DIM: tl.constexpr,
+):
+    """Online-softmax step over each row's own key, always visible (a one-row tree: plain decoding), in registers:
+    a dot would need shared memory beside the prefix loop's buffers, and fewer programs would fit an SM."""
+    dims = tl.arange(0, HEAD_DIM)
+    k = tl.load(k_rows[:, None] + dims[None, :], mask=row_ok[:, None], other=0.0)
+    s = tl.sum(q.to(tl.float32) * k.to(tl.float32), 1) * qk_scale
+    m_new = tl.maximum(m_i, s)
+    p = tl.math.exp2(s - m_new)
+    alpha = tl.math.exp2(m_i - m_new)
+    v = tl.load(v_rows[:, None] + dims[None, :], mask=row_ok[:, None], other=0.0)
+    return acc * alpha[:, None] + p[:, None] * v.to(tl.float32), m_new, l_i * alpha + p
+
+
+@triton.jit
 def _query_tile(q_ptr, rows, q_start, kv_head, num_rows, stride_qn, stride_qh,
                 GROUP: tl.constexpr, HEAD_DIM: tl.constexpr):
     """Query rows of one KV group (row = token * GROUP + head in group): the tile, its tokens, heads, validity."""
@@ -246,10 +264,12 @@ def _prefix_partial(
     q_ptr, k_src, v_src, table, part_o_ptr, part_lse_ptr, m_block, split, kv_head, q_start, num_rows,
     kv_start, kv_end, qk_scale, stride_qn, stride_qh, stride_page, stride_slot, stride_kvh,
     stride_ps, stride_pn, stride_ph, stride_ls, stride_ln,
+    tree_k_ptr, tree_v_ptr, with_own_key, stride_tn, stride_th,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
 ):
-    """A prefix split: the tile's rows attend keys [kv_start, kv_end), all visible."""
+    """A prefix split: the tile's rows attend keys [kv_start, kv_end), all visible; then, `with_own_key`, each
+    row its own token's key (a folded one-row tree, see `_partials_kernel`)."""
     rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
     q, token, head, row_ok = _query_tile(q_ptr, rows, q_start, kv_head, num_rows, stride_qn, stride_qh,
                                          GROUP, HEAD_DIM)
@@ -265,6 +285,10 @@ def _prefix_partial(
         k, v, valid = _load_kv_block(k_src, v_src, table, kv_head, start, kv_end, stride_page, stride_slot,
                                      stride_kvh, PAGE_SIZE, BLOCK_N, HEAD_DIM, True, USE_TMA)
         acc, m_i, l_i = _attend_kv_block(q, acc, m_i, l_i, k, v, valid, qk_scale, True, DOT_PRECISION)
+    if with_own_key:
+        own = token * stride_tn + kv_head * stride_th
+        acc, m_i, l_i = _attend_own_key(q, acc, m_i, l_i, tree_k_ptr + own, tree_v_ptr + own, row_ok, qk_scale,
+                                        HEAD_DIM)
     _store_partial(part_o_ptr, part_lse_ptr, acc, m_i, l_i, split, token, head, row_ok,
                    stride_ps, stride_pn, stride_ph, stride_ls, stride_ln, HEAD_DIM)
 
@@ -279,8 +303,11 @@ def _partials_kernel(
     stride_ps, stride_pn, stride_ph, stride_ls, stride_ln,
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TREE_M: tl.constexpr, BLOCK_T: tl.constexpr,
-    HAS_TREE: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
+    HAS_TREE: tl.constexpr, FOLD_TREE: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
 ):
+    """FOLD_TREE (trees of one row: plain decoding): no tree programs; the sequence's last prefix split (split 0
+    without a prefix) attends each row's own key after its keys, so each row has one partial fewer, and with one
+    split its partial is the output (`attention_partials`' `out`)."""
     m_block = tl.program_id(0)
     split = tl.program_id(1)
     seq = tl.program_id(2) // NUM_KV_HEADS
@@ -292,7 +319,9 @@ def _partials_kernel(
     kv_start = split * chunk_len
     is_tree = (split >= num_splits) & HAS_TREE  # tree programs: every TREE_M rows of the tile write one partial
     first_row = m_block * BLOCK_M + tl.where(is_tree, (split - num_splits) * TREE_M, 0)
-    if (first_row >= q_len * GROUP) | ((kv_start >= prefix_len) & ~is_tree):
+    last_split = tl.maximum(tl.cdiv(prefix_len, chunk_len), 1) - 1
+    holds_tree = (split == last_split) & FOLD_TREE
+    if (first_row >= q_len * GROUP) | ((kv_start >= prefix_len) & ~is_tree & ~holds_tree):
         return
     if is_tree:
         _tree_partial(q_ptr, tree_k_ptr, tree_v_ptr, tree_mask_ptr, part_o_ptr, part_lse_ptr, m_block,
@@ -305,6 +334,7 @@ def _partials_kernel(
         _prefix_partial(q_ptr, k_src, v_src, table, part_o_ptr, part_lse_ptr, m_block, split, kv_head, q_start,
                         q_len * GROUP, kv_start, kv_end, qk_scale, stride_qn, stride_qh, stride_page, stride_slot,
                         stride_kvh, stride_ps, stride_pn, stride_ph, stride_ls, stride_ln,
+                        tree_k_ptr, tree_v_ptr, holds_tree, stride_tn, stride_th,
                         GROUP, HEAD_DIM, PAGE_SIZE, BLOCK_M, BLOCK_N, DOT_PRECISION, USE_TMA)
 
 
@@ -341,37 +371,59 @@ def attention_partials(
     cfg: SplitConfig,
     tree: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,  # tree_k, tree_v [N, Hkv, D]; mask [N, W]
     max_q_len: int = 1,
-) -> tuple[torch.Tensor, torch.Tensor]:  # [S, N, Hq, D] fp32, [S, N, Hq] fp32; S = splits (+ 1 with a tree)
+    out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # [S, N, Hq, D] fp32, [S, N, Hq] fp32; S = `num_partials`
     """Launch the partials stage; the caller has checked the inputs (see `check_paged_kv`).
 
-    `max_q_len` bounds the tree size of any sequence (it sizes the tree's key blocks).
+    `max_q_len` bounds the tree size of any sequence (it sizes the tree's key blocks). `out` ([N, Hq, D], only
+    where `num_partials` is 1): the one partial is written there, in its dtype, as the attention output.
     """
     num_tokens, num_q_heads, head_dim = q.shape
     page_size, num_kv_heads = k_pages.shape[1], k_pages.shape[2]
-    num_partials = plan.num_splits + (tree is not None)
-    part_o = q.new_empty(num_partials, num_tokens, num_q_heads, head_dim, dtype=torch.float32)
-    part_lse = q.new_empty(num_partials, num_tokens, num_q_heads, dtype=torch.float32)
-    if num_partials == 0 or num_tokens == 0:
+    fold = folds_tree(tree is not None, max_q_len)
+    partials = num_partials(plan, tree is not None, max_q_len)
+    if out is not None and partials != 1:
+        raise ValueError(f"only a launch with one partial writes the output itself ({partials} here)")
+    part_o = q.new_empty(partials, num_tokens, num_q_heads, head_dim, dtype=torch.float32)
+    part_lse = q.new_empty(partials, num_tokens, num_q_heads, dtype=torch.float32)
+    if partials == 0 or num_tokens == 0:
         return part_o, part_lse
     tree_m = min(plan.block_m, TREE_BLOCK_M)
-    tree_programs = plan.block_m // tree_m if tree is not None else 0
-    grid = (plan.num_m_blocks, plan.num_splits + tree_programs, block_tables.shape[0] * num_kv_heads)
+    tree_programs = plan.block_m // tree_m if tree is not None and not fold else 0
+    prefix_programs = partials if fold else plan.num_splits
+    grid = (plan.num_m_blocks, prefix_programs + tree_programs, block_tables.shape[0] * num_kv_heads)
+    o_dest = part_o if out is None else out[None]
     descriptors = tma_descriptors(k_pages, v_pages, plan.block_n) if cfg.tma else None
     k_src, v_src = descriptors or (k_pages, v_pages)
     tree_k, tree_v, tree_mask = tree if tree is not None else (q, q, cu_q.view(-1, 1))
     _partials_kernel[grid](
-        q, k_src, v_src, block_tables, prefix_lens, cu_q, tree_k, tree_v, tree_mask, part_o, part_lse,
+        q, k_src, v_src, block_tables, prefix_lens, cu_q, tree_k, tree_v, tree_mask, o_dest, part_lse,
         sm_scale * LOG2E, plan.num_splits,
         q.stride(0), q.stride(1), k_pages.stride(0), k_pages.stride(1), k_pages.stride(2),
         block_tables.stride(0), tree_k.stride(0), tree_k.stride(1), tree_mask.stride(0),
-        part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
+        o_dest.stride(0), o_dest.stride(1), o_dest.stride(2), part_lse.stride(0), part_lse.stride(1),
         NUM_KV_HEADS=num_kv_heads, GROUP=num_q_heads // num_kv_heads, HEAD_DIM=head_dim,
         PAGE_SIZE=page_size, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, TREE_M=tree_m,
-        BLOCK_T=max(16, min(64, triton.next_power_of_2(max_q_len))), HAS_TREE=tree is not None,
+        BLOCK_T=max(16, min(64, triton.next_power_of_2(max_q_len))), HAS_TREE=tree is not None and not fold,
+        FOLD_TREE=fold,
         DOT_PRECISION=dot_precision(q), USE_TMA=descriptors is not None,
         num_warps=cfg.num_warps if plan.block_m >= 64 else 4, num_stages=cfg.num_stages,
     )
     return part_o, part_lse
+
+
+def folds_tree(has_tree: bool, max_q_len: int) -> bool:
+    """Whether the tree block is attended by a prefix split rather than programs of its own: for trees of one
+    row (plain decoding), whose own programs would cost a partial and a merge input each for one key."""
+    return has_tree and max_q_len == 1
+
+
+def num_partials(plan: SplitPlan, has_tree: bool, max_q_len: int) -> int:
+    """Partials per query row that a launch may write: the prefix splits, and the tree's own (none when folded;
+    a folded tree without a prefix split still has split 0's program)."""
+    if folds_tree(has_tree, max_q_len):
+        return max(plan.num_splits, 1)
+    return plan.num_splits + has_tree
 
 
 def dot_precision(q: torch.Tensor) -> str:

@@ -7,6 +7,10 @@ up to the bounds):
    tree tokens of a sequence in one tile, so each prefix K/V byte is read once; the tree block under
    its ancestor mask is one more split of the same launch;
 2. `lse_merge.merge_partials`: each query row folds its partials together by log-sum-exp.
+
+Plain decoding (trees of one row) attends its one tree key in the last prefix split instead; where the grid is
+full with one split per (sequence, KV head), as at 64 sessions, that split's output is the attention output and
+the merge does not run.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ from ddtree_kernels.split_kv import (
     check_host_bounds,
     check_paged_kv,
     default_config,
+    folds_tree,
+    num_partials,
     plan_splits,
 )
 
@@ -73,6 +79,12 @@ def hybrid_verify_attention(
     cfg = cfg or default_config(rows, q.shape[2])
     plan = plan_splits(block_tables.shape[0], num_kv_heads, rows, max_prefix_len, q.device, cfg)
     tree = (tree_k, tree_v, tree_mask)
+    if num_partials(plan, True, max_tree_len) == 1:  # NOTE: plain decoding on a full grid: nothing to merge
+        out = q.new_empty(q.shape)
+        attention_partials(q, k_pages, v_pages, block_tables, prefix_lens, cu_tree, sm_scale, plan, cfg, tree,
+                           max_tree_len, out)
+        return out
     part_o, part_lse = attention_partials(q, k_pages, v_pages, block_tables, prefix_lens, cu_tree, sm_scale, plan,
                                           cfg, tree, max_tree_len)
-    return merge_partials(part_o, part_lse, cu_tree, prefix_lens, plan, True, max_tree_len, q.dtype)
+    return merge_partials(part_o, part_lse, cu_tree, prefix_lens, plan, True, max_tree_len, q.dtype,
+                          folds_tree(True, max_tree_len))

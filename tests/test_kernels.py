@@ -7,6 +7,7 @@ gives wrong bf16 dot products); with CUDA the `gpu` tests run bf16 at larger sha
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import pytest
 import torch
@@ -147,6 +148,31 @@ def test_verify_attention_stale_nan_slots_interpreter(tma):
     check_verify(case, lens, trees, small_config(block_n=32, tma=tma), max_prefix_len=1000)
 
 
+# Plain decoding: trees of one row (or none: a bucket's padding) attended by the last prefix split; with one
+# split per tile its output is the result (no merge), with several the merge finds the tree in the last one.
+@cpu_only
+@pytest.mark.parametrize("programs_per_sm,splits", [(1, 1), (16, 6)])
+@pytest.mark.parametrize("tma", [False, True])
+def test_plain_decoding_attention_interpreter(programs_per_sm: int, splits: int, tma: bool):
+    lens, trees, bound = [37, 0, 100, 5, 64], [1, 1, 1, 0, 1], 1000
+    cfg = small_config(block_n=16, programs_per_sm=programs_per_sm, tma=tma)
+    assert plan_splits(len(lens), 2, 4, bound, DEVICE, cfg).num_splits == splits
+    case = verify_case(lens, trees, 8, 2, 32, 16, torch.float16, seed=13)
+    poison_stale_slots(case, lens)
+    check_verify(case, lens, trees, cfg, max_prefix_len=bound)
+
+
+def test_only_a_launch_with_one_partial_writes_the_output():
+    lens, trees = [40, 3], [1, 1]
+    case = verify_case(lens, trees, 4, 2, 16, 16, torch.float32, seed=2)
+    plan = SplitPlan(block_m=16, num_m_blocks=1, num_splits=2, block_n=16)
+    tree = (case["tree_k"], case["tree_v"], case["tree_mask"])
+    with pytest.raises(ValueError, match="one partial"):
+        attention_partials(case["q"], case["k_pages"], case["v_pages"], case["block_tables"], case["prefix_lens"],
+                           case["cu_tree"], case["sm_scale"], plan, small_config(block_n=16), tree, 1,
+                           torch.empty_like(case["q"]))
+
+
 # The engine captures one launch per (batch, tokens) bucket at max_prefix_len = max_context: the bound
 # only sizes the grid, each sequence cuts its own prefix into chunks on the device.
 @cpu_only
@@ -187,21 +213,24 @@ def test_prefix_chunks_spread_over_every_split_interpreter():
             torch.testing.assert_close(part_lse[split, lo:hi], lse, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("d", [32, 4 * MAX_BLOCK_D])  # NOTE: MLA's 512-wide rows: one program per column block
-def test_merge_folds_only_written_partials_across_tiles(d: int):
+@pytest.mark.parametrize("d,folded", [(32, False), (4 * MAX_BLOCK_D, False), (32, True)])
+def test_merge_folds_only_written_partials_across_tiles(d: int, folded: bool):
     """More splits than one merge tile holds; a sequence with no prefix has only its tree partial, and
-    partials of splits that held no keys (never written: NaN here) are skipped, not folded in."""
+    partials of splits that held no keys (never written: NaN here) are skipped, not folded in. MLA's 512-wide
+    rows take one program per column block. A folded tree (plain decoding) has no partial of its own: the last
+    prefix split holds it, split 0 without a prefix."""
     num_splits, block_n, hq = MAX_BLOCK_S + 6, 16, 3
     lens = [0, MIN_SPLIT_BLOCKS.value * block_n * num_splits + 5, 100]  # no prefix, every split, 4 splits
-    trees = [2, 3, 1]
+    trees = [1, 1, 1] if folded else [2, 3, 1]
     gen = torch.Generator().manual_seed(3)
     part_o = torch.randn(num_splits + 1, sum(trees), hq, d, generator=gen)
     part_lse = 4 * torch.randn(num_splits + 1, sum(trees), hq, generator=gen)
-    cu_q = torch.tensor([0, 2, 5, 6], dtype=torch.int32)
+    cu_q = torch.tensor([0, *itertools.accumulate(trees)], dtype=torch.int32)
     want = torch.empty(sum(trees), hq, d)
     for b, n in enumerate(lens):
         chunk = max(MIN_SPLIT_BLOCKS.value, cdiv(cdiv(n, block_n), num_splits)) * block_n
-        used = [*range(min(cdiv(n, chunk), num_splits)), num_splits]
+        prefix_splits = min(cdiv(n, chunk), num_splits)
+        used = [*range(max(prefix_splits, 1))] if folded else [*range(prefix_splits), num_splits]
         rows = slice(int(cu_q[b]), int(cu_q[b + 1]))
         unused = [split for split in range(num_splits) if split not in used]
         part_o[unused, rows], part_lse[unused, rows] = float("nan"), float("nan")
@@ -209,7 +238,8 @@ def test_merge_folds_only_written_partials_across_tiles(d: int):
         want[rows] = (weights[..., None] * part_o[used, rows]).sum(0)
     plan = SplitPlan(block_m=16, num_m_blocks=1, num_splits=num_splits, block_n=block_n)
     out = merge_partials(part_o.to(DEVICE), part_lse.to(DEVICE), cu_q.to(DEVICE),
-                         torch.tensor(lens, dtype=torch.int32, device=DEVICE), plan, True, max(trees), torch.float32)
+                         torch.tensor(lens, dtype=torch.int32, device=DEVICE), plan, True, max(trees), torch.float32,
+                         folded)
     torch.testing.assert_close(out.cpu(), want, atol=1e-5, rtol=1e-5)
 
 
@@ -292,6 +322,18 @@ GPU_VERIFY = [
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_verify_attention_gpu(lens, trees, heads, d, page_size, dtype):
     check_verify(verify_case(lens, trees, *heads, d, page_size, dtype, seed=len(lens)), lens, trees)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("sessions", [4, 72])  # NOTE: 72 x 8 KV heads fill an H100's or H200's grid: one split
+def test_plain_decoding_attention_gpu(sessions: int):
+    gen = torch.Generator().manual_seed(sessions)
+    lens = torch.randint(0, 3000, (sessions,), generator=gen).tolist()
+    trees = [1] * (sessions - 1) + [0]
+    case = verify_case(lens, trees, 16, 8, 128, 64, torch.bfloat16, seed=sessions)
+    poison_stale_slots(case, lens)
+    check_verify(case, lens, trees, max_prefix_len=40960)
 
 
 @pytest.mark.gpu
