@@ -1,5 +1,5 @@
-"""The projections of one Qwen3-8B decoder layer at verify-step row counts: cuBLAS against the skinny-M
-Triton GEMM (ddtree_kernels/skinny_gemm.py), bf16, on one GPU.
+"""The projections of one dense decoder layer (Qwen3-8B's, or `--shape qwen3-0.6b`'s) at verify-step row counts:
+cuBLAS against the skinny-M Triton GEMM (ddtree_kernels/skinny_gemm.py), bf16, on one GPU.
 
 Each time is the median per GEMM of a CUDA graph that runs the projection over 8 copies of its weight in
 turn, so every call streams its weight from HBM as in a real 36-layer step (one copy would sit in L2).
@@ -7,7 +7,7 @@ turn, so every call streams its weight from HBM as in a real 36-layer step (one 
 kernel, against the gated skinny kernel that does both. Rows above MAX_ROWS (which the layers send to
 cuBLAS) are timed too, to show where the limit comes from.
 
-    python benchmarks/skinny_gemm.py [--rows 1 16 32 64] [--out-dir DIR]
+    python benchmarks/skinny_gemm.py [--shape qwen3-8b] [--rows 1 16 32 64] [--out-dir DIR]
 """
 
 from __future__ import annotations
@@ -23,13 +23,21 @@ import torch.nn.functional as F
 import triton
 from triton.testing import do_bench
 
-from ddtree_kernels import fused_layer_ops, skinny_gemm
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.e2e_step import shape_of  # noqa: E402
+from ddtree_kernels import fused_layer_ops, skinny_gemm  # noqa: E402
 
-HIDDEN, INTERMEDIATE, Q_COLS, KV_COLS = 4096, 12288, 32 * 128, 8 * 128
-# name -> (weight rows, weight columns, gated)
-SHAPES = {"q/k/v": (Q_COLS + 2 * KV_COLS, HIDDEN, False), "o": (HIDDEN, Q_COLS, False),
-          "gate/up + SiLU": (2 * INTERMEDIATE, HIDDEN, True), "down": (HIDDEN, INTERMEDIATE, False)}
 COPIES = 8
+
+
+def layer_gemms(shape: str) -> dict[str, tuple[int, int, bool]]:
+    """A dense shape's projections: name -> (weight rows, weight columns, gated)."""
+    config = shape_of(shape)[0]
+    hidden, intermediate = config["hidden_size"], config["intermediate_size"]
+    head_dim = config.get("head_dim") or hidden // config["num_attention_heads"]
+    q_cols, kv_cols = config["num_attention_heads"] * head_dim, config["num_key_value_heads"] * head_dim
+    return {"q/k/v": (q_cols + 2 * kv_cols, hidden, False), "o": (hidden, q_cols, False),
+            "gate/up + SiLU": (2 * intermediate, hidden, True), "down": (hidden, intermediate, False)}
 
 
 def graph_us(gemm, x: torch.Tensor, weights: list[torch.Tensor], gated: bool) -> float:
@@ -56,9 +64,9 @@ def skinny(x: torch.Tensor, weight: torch.Tensor, gated: bool) -> torch.Tensor:
         return (skinny_gemm.silu_mul_linear if gated else skinny_gemm.linear)(x, weight)
 
 
-def measure(rows: list[int]) -> list[dict]:
+def measure(shape: str, rows: list[int]) -> list[dict]:
     results = []
-    for name, (n, k, gated) in SHAPES.items():
+    for name, (n, k, gated) in layer_gemms(shape).items():
         weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5 for _ in range(COPIES)]
         for m in rows:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
@@ -72,9 +80,10 @@ def measure(rows: list[int]) -> list[dict]:
     return results
 
 
-def markdown(rows: list[dict], command: str) -> str:
+def markdown(rows: list[dict], command: str, shape: str) -> str:
+    layers = shape_of(shape)[0]["num_hidden_layers"]
     lines = [
-        "# Skinny-M GEMM: the layer projections of Qwen3-8B (bf16) at verify-step row counts",
+        f"# Skinny-M GEMM: the layer projections of the {shape} shape (bf16) at verify-step row counts",
         "",
         f"Command: `{command}`",
         "",
@@ -90,28 +99,31 @@ def markdown(rows: list[dict], command: str) -> str:
         lines.append(f"| {r['gemm']} | {r['rows']}{'' if r['used_by_layers'] else '*'} | {r['cublas_us']:.1f} "
                      f"| {tbs['cublas']:.2f} | {r['skinny_us']:.1f} | {tbs['skinny']:.2f} "
                      f"| {r['cublas_us'] - r['skinny_us']:+.1f} |")
-    lines += ["", "| rows | one layer, cuBLAS µs | one layer, skinny µs | 36 layers saved ms |", "|---|---|---|---|"]
+    lines += ["", f"| rows | one layer, cuBLAS µs | one layer, skinny µs | {layers} layers saved ms |",
+              "|---|---|---|---|"]
     for m in sorted({r["rows"] for r in rows}):
         same = [r for r in rows if r["rows"] == m]
         base, ours = sum(r["cublas_us"] for r in same), sum(r["skinny_us"] for r in same)
-        lines.append(f"| {m} | {base:.1f} | {ours:.1f} | {36 * (base - ours) / 1e3:.3f} |")
+        lines.append(f"| {m} | {base:.1f} | {ours:.1f} | {layers * (base - ours) / 1e3:.3f} |")
     return "\n".join(lines) + "\n"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--shape", choices=("qwen3-8b", "qwen3-0.6b"), default="qwen3-8b")
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 16, 32, 64])
     parser.add_argument("--out-dir", type=Path, default=Path("benchmarks/results"))
     args = parser.parse_args()
     command = "python " + " ".join(sys.argv)
     torch.manual_seed(0)
-    rows = measure(args.rows)
+    rows = measure(args.shape, args.rows)
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    result = {"command": command, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "triton": triton.__version__, "rows": rows}
-    (args.out_dir / "skinny_gemm.json").write_text(json.dumps(result, indent=1) + "\n")
-    (args.out_dir / "skinny_gemm.md").write_text(markdown(rows, command))
-    print(markdown(rows, command))
+    result = {"command": command, "shape": args.shape, "device": torch.cuda.get_device_name(),
+              "torch": torch.__version__, "triton": triton.__version__, "rows": rows}
+    name = "skinny_gemm" if args.shape == "qwen3-8b" else f"skinny_gemm_{args.shape}"
+    (args.out_dir / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
+    (args.out_dir / f"{name}.md").write_text(markdown(rows, command, args.shape))
+    print(markdown(rows, command, args.shape))
 
 
 if __name__ == "__main__":

@@ -48,6 +48,16 @@ def test_e2e_step_serial_floor_counts_compute_bound_attention_beside_bandwidth_b
     assert serial_floor_ms(compute_bound_attention, floor) == pytest.approx(9.0)
 
 
+def test_skinny_gemm_times_the_projections_of_the_shape_asked_for(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(ROOT))
+    from benchmarks.skinny_gemm import layer_gemms
+
+    assert layer_gemms("qwen3-8b") == {"q/k/v": (6144, 4096, False), "o": (4096, 4096, False),
+                                       "gate/up + SiLU": (24576, 4096, True), "down": (4096, 12288, False)}
+    assert layer_gemms("qwen3-0.6b") == {"q/k/v": (4096, 1024, False), "o": (1024, 2048, False),
+                                         "gate/up + SiLU": (6144, 1024, True), "down": (1024, 3072, False)}
+
+
 def test_e2e_step_builds_no_hf_model_it_will_not_measure(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """With every context past --hf-max-context the HF model is never built (GLM's does not fit an H100 beside
     what our engine leaves allocated)."""
