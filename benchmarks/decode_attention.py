@@ -31,7 +31,9 @@ SHAPES = {"qwen3-0.6b": (16, 8, 128), "qwen3-8b": (32, 8, 128)}  # query heads, 
 # shared memory allows in flight; these trade stages, key blocks and programs per SM against each other
 CANDIDATES = [SplitConfig(64, 64, 4, 3, 2, True), SplitConfig(16, 64, 4, 2, 4, True),
               SplitConfig(16, 32, 2, 2, 8, True), SplitConfig(16, 128, 4, 2, 2, True),
-              SplitConfig(16, 64, 8, 2, 2, True), SplitConfig(16, 64, 4, 3, 2, False)]
+              SplitConfig(16, 64, 8, 2, 2, True), SplitConfig(16, 64, 4, 3, 2, False),
+              SplitConfig(16, 32, 4, 4, 4, True), SplitConfig(16, 64, 4, 3, 4, True),
+              SplitConfig(16, 32, 8, 3, 4, True)]
 
 
 class Batch:
