@@ -5,7 +5,11 @@ or over a real GenerateStream (the verifier's servicer on a port, a gateway's Ge
 of its own). The loop thread's CPU time per session-step is what the serving loop itself costs (drafts, batching,
 results, events, metrics, and over the stream its messages), and what it takes from the engine thread's GIL on a GPU.
 
-    python benchmarks/verifier_loop.py [--sessions 64] [--tokens 96] [--decode-burst-steps 1] [--profile]
+    python benchmarks/verifier_loop.py [--sessions 64] [--tokens 96] [--decode-burst-steps 1] [--temperature 0]
+        [--profile [fixed|adaptive]]
+
+`--temperature 1` samples the tiny model's text, which then seldom repeats: the n-gram drafts fail, as at
+acceptance ~1 on a GPU, and the adaptive policy decodes plainly between its probes.
 """
 
 from __future__ import annotations
@@ -41,12 +45,12 @@ from verifier_service.tree_budget import BudgetPolicyName  # noqa: E402
 PROMPT = list(b"the verifier keeps the prefix in pages and the drafter proposes a tree. " * 2)
 
 
-def read_over_stream(port: int, ids: list[str], tokens: int) -> int:
+def read_over_stream(port: int, ids: list[str], tokens: int, temperature: float) -> int:
     """Every session's generation over one GenerateStream, as a gateway reads them; returns the steps read."""
     async def main() -> int:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
             stream = GenerationStream(verifier_pb2_grpc.VerifierStub(channel))
-            params = common_pb2.SamplingParams(max_new_tokens=tokens, ignore_eos=True)
+            params = common_pb2.SamplingParams(max_new_tokens=tokens, ignore_eos=True, temperature=temperature)
 
             async def one(session_id: str) -> int:
                 request = verifier_pb2.VerifierGenerateRequest(session_id=session_id, params=params)
@@ -60,7 +64,7 @@ def read_over_stream(port: int, ids: list[str], tokens: int) -> int:
 
 async def generate_all(engine: Engine, drafter: str | None, sessions: int, tokens: int,
                        profile: cProfile.Profile | None, policy: BudgetPolicyName = "fixed",
-                       over_stream: bool = False) -> dict:
+                       over_stream: bool = False, temperature: float = 0.0) -> dict:
     metrics = VerifierMetrics()
     pool = DrafterPool(drafter, metrics, timeout_s=10) if drafter else None
     service = VerifierService(engine, pool, metrics, tree_budget=15, inline_steps=False, budget_policy=policy)
@@ -72,14 +76,14 @@ async def generate_all(engine: Engine, drafter: str | None, sessions: int, token
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     ids = [(await service.create_session(PROMPT)).session_id for _ in range(sessions)]
-    params = SamplingParams(max_new_tokens=tokens, ignore_eos=True)
+    params = SamplingParams(max_new_tokens=tokens, ignore_eos=True, temperature=temperature)
 
     async def one(session_id: str) -> int:
         return sum([hasattr(event, "result") async for event in service.generate(session_id, [], params, False)])
 
     async def read_all() -> int:
         if over_stream:  # NOTE: the reader on a thread of its own: only the verifier's side is on this one
-            return await asyncio.to_thread(read_over_stream, port, ids, tokens)
+            return await asyncio.to_thread(read_over_stream, port, ids, tokens, temperature)
         return sum(await asyncio.gather(*(one(session_id) for session_id in ids)))
 
     started, cpu = time.perf_counter(), time.thread_time()
@@ -103,7 +107,9 @@ def main() -> None:
     parser.add_argument("--sessions", type=int, default=64)
     parser.add_argument("--tokens", type=int, default=96)
     parser.add_argument("--decode-burst-steps", type=int, default=1, help="plain steps per engine call")
-    parser.add_argument("--profile", action="store_true", help="print where the loop's time goes (speculative)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
+    parser.add_argument("--profile", nargs="?", const="fixed", choices=("fixed", "adaptive"),
+                        help="print where the loop's time goes in the n-gram run with this budget policy")
     parser.add_argument("--out-dir", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -113,14 +119,15 @@ def main() -> None:
     drafter = subprocess.Popen([sys.executable, "-m", "drafter_service.server", "--drafter", "ngram",
                                 "--listen", f"127.0.0.1:{port}"], cwd=Path(__file__).resolve().parents[1])
     profile = cProfile.Profile() if args.profile else None
+    profiled = {policy: profile if args.profile == policy else None for policy in ("fixed", "adaptive")}
+    address, run = f"127.0.0.1:{port}", dict(sessions=args.sessions, tokens=args.tokens, temperature=args.temperature)
     try:
-        wait_healthy(f"127.0.0.1:{port}", 60, drafter)
-        rows = [asyncio.run(generate_all(engine, None, args.sessions, args.tokens, None)),
-                asyncio.run(generate_all(engine, f"127.0.0.1:{port}", args.sessions, args.tokens, profile)),
-                asyncio.run(generate_all(engine, f"127.0.0.1:{port}", args.sessions, args.tokens, None, "adaptive")),
-                asyncio.run(generate_all(engine, None, args.sessions, args.tokens, None, over_stream=True)),
-                asyncio.run(generate_all(engine, f"127.0.0.1:{port}", args.sessions, args.tokens, None,
-                                         over_stream=True))]
+        wait_healthy(address, 60, drafter)
+        rows = [asyncio.run(generate_all(engine, None, profile=None, **run)),
+                asyncio.run(generate_all(engine, address, profile=profiled["fixed"], **run)),
+                asyncio.run(generate_all(engine, address, profile=profiled["adaptive"], policy="adaptive", **run)),
+                asyncio.run(generate_all(engine, None, profile=None, over_stream=True, **run)),
+                asyncio.run(generate_all(engine, address, profile=None, over_stream=True, **run))]
     finally:
         drafter.terminate()
         drafter.wait()

@@ -162,6 +162,15 @@ def test_plain_decoding_attention_interpreter(programs_per_sm: int, splits: int,
     check_verify(case, lens, trees, cfg, max_prefix_len=bound)
 
 
+@cpu_only
+def test_plain_decoding_without_any_prefix_interpreter():
+    """A bound of 0 plans no prefix split: split 0's program attends the own key alone and writes the output."""
+    lens, trees = [0, 0], [1, 1]
+    assert plan_splits(2, 2, 4, 0, DEVICE, small_config()).num_splits == 0
+    check_verify(verify_case(lens, trees, 8, 2, 32, 16, torch.float16, seed=4), lens, trees, small_config(),
+                 max_prefix_len=0)
+
+
 def test_only_a_launch_with_one_partial_writes_the_output():
     lens, trees = [40, 3], [1, 1]
     case = verify_case(lens, trees, 4, 2, 16, 16, torch.float32, seed=2)
