@@ -79,7 +79,7 @@ def hybrid_verify_attention(
     cfg = cfg or default_config(rows, q.shape[2])
     plan = plan_splits(block_tables.shape[0], num_kv_heads, rows, max_prefix_len, q.device, cfg)
     tree = (tree_k, tree_v, tree_mask)
-    if num_partials(plan, True, max_tree_len) == 1:  # NOTE: plain decoding on a full grid: nothing to merge
+    if num_partials(plan, True, max_tree_len) == 1:  # NOTE: plain decoding on a full grid, or no prefix: no merge
         out = q.new_empty(q.shape)
         attention_partials(q, k_pages, v_pages, block_tables, prefix_lens, cu_tree, sm_scale, plan, cfg, tree,
                            max_tree_len, out)
