@@ -206,6 +206,22 @@ def simulate(policy: AdaptiveBudget, costs: StepCosts, accepts, steps: int, foun
     return chosen
 
 
+def test_a_bursts_plain_steps_observed_at_once_record_what_one_by_one_does() -> None:
+    def state(policy: AdaptiveBudget) -> dict:
+        return {**{k: v for k, v in vars(policy).items() if k not in ("costs", "shared", "own")}, **vars(policy.own)}
+
+    one_by_one, at_once = adaptive(StepCosts()), adaptive(StepCosts())
+    for policy in (one_by_one, at_once):
+        policy.observe(7, DraftTree.chain(list(range(7))), [0, 1, 2])
+    at_once.observe_plain(0)  # NOTE: a burst with no plain step after its first records nothing
+    assert state(at_once) == state(one_by_one)
+    for _ in range(5):
+        one_by_one.observe(0, None, [])
+    at_once.observe_plain(5)
+    assert state(at_once) == state(one_by_one)
+    assert at_once.offer(500) == one_by_one.offer(500)
+
+
 def test_a_session_that_accepts_every_node_settles_on_the_maximum() -> None:
     costs = StepCosts()
     assert simulate(adaptive(costs), costs, lambda _: MAX, 40) == [MAX] * 40
@@ -621,6 +637,9 @@ class Scripted:
         return Offer(self.cycle[self.steps % len(self.cycle)])
 
     def observe(self, budget: int, tree: DraftTree | None, accepted: list[int]) -> None:
+        pass
+
+    def observe_plain(self, steps: int) -> None:
         pass
 
 

@@ -561,8 +561,7 @@ class StepLoop:
             self.costs.observe_draft(budget, stepper.session.kv_len, drafted - started)
         if not plan.opening:  # NOTE: its policy chose nothing: its mirror was opening
             stepper.budgets.observe(budget, tree, result.path)
-            for _ in range(len(result.emitted) - result.acceptance_length):  # NOTE: a burst's plain steps after it
-                stepper.budgets.observe(0, None, [])
+            stepper.budgets.observe_plain(len(result.emitted) - result.acceptance_length)  # NOTE: a burst's steps
         event = StepEvent(stepper.cursor.step, result, len(tree) if tree else 0, drafted - started, ended - drafted)
         stepper.cursor.advance(result.committed, result.features, result.commit_start, drafted=budget > 0)
         return event

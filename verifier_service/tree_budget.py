@@ -72,6 +72,9 @@ class BudgetPolicy(Protocol):
     def observe(self, budget: int, tree: DraftTree | None, path: list[int]) -> None:
         """A step ran with `budget`: `tree` verified (None when none came), `path` its accepted nodes."""
 
+    def observe_plain(self, steps: int) -> None:
+        """`steps` plain steps ran in a row (a decode burst's): what as many `observe(0, None, [])` record."""
+
 
 class Outcomes:
     """Per candidate budget, decayed means of the nodes its tree would have accepted and of the nodes it had."""
@@ -136,6 +139,9 @@ class FixedBudget:
         if self.shared is not None and tree is not None and budget:
             for outcome in outcomes(self.candidates, budget, tree, path):
                 self.shared.add(*outcome)
+
+    def observe_plain(self, steps: int) -> None:
+        pass
 
 
 class AdaptiveBudget:
@@ -238,6 +244,13 @@ class AdaptiveBudget:
         usual = self.costs.seconds(self.last_budget, self.expected(self.last_budget)[1], context, besides)
         explored = self.costs.seconds(self.max_budget, self.expected(self.max_budget)[1], context, besides)
         return self.since_max >= self.costs.batch.sessions * (explored - usual) / (self.explore_share * usual)
+
+    def observe_plain(self, steps: int) -> None:
+        """A burst's plain steps in one call rather than one per token."""
+        if steps > 0:
+            self.steps += steps
+            self.since_max += steps
+            self.last_budget, self.paying, self.last_rows = 0, 0, 1
 
     def observe(self, budget: int, tree: DraftTree | None, path: list[int]) -> None:
         self.steps += 1
