@@ -388,8 +388,9 @@ def attention_partials(
     part_lse = q.new_empty(partials, num_tokens, num_q_heads, dtype=torch.float32)
     if partials == 0 or num_tokens == 0:
         return part_o, part_lse
+    own_tree = tree is not None and not fold  # NOTE: the tree block in programs of its own, writing partial S - 1
     tree_m = min(plan.block_m, TREE_BLOCK_M)
-    tree_programs = plan.block_m // tree_m if tree is not None and not fold else 0
+    tree_programs = plan.block_m // tree_m if own_tree else 0
     prefix_programs = partials if fold else plan.num_splits
     grid = (plan.num_m_blocks, prefix_programs + tree_programs, block_tables.shape[0] * num_kv_heads)
     o_dest = part_o if out is None else out[None]
@@ -404,7 +405,7 @@ def attention_partials(
         o_dest.stride(0), o_dest.stride(1), o_dest.stride(2), part_lse.stride(0), part_lse.stride(1),
         NUM_KV_HEADS=num_kv_heads, GROUP=num_q_heads // num_kv_heads, HEAD_DIM=head_dim,
         PAGE_SIZE=page_size, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, TREE_M=tree_m,
-        BLOCK_T=max(16, min(64, triton.next_power_of_2(max_q_len))), HAS_TREE=tree is not None and not fold,
+        BLOCK_T=max(16, min(64, triton.next_power_of_2(max_q_len))), HAS_TREE=own_tree,
         FOLD_TREE=fold,
         DOT_PRECISION=dot_precision(q), USE_TMA=descriptors is not None,
         num_warps=cfg.num_warps if plan.block_m >= 64 else 4, num_stages=cfg.num_stages,
