@@ -14,6 +14,7 @@ import pytest
 from modeling.speculation import DraftStep
 from modeling.tree import DraftTree
 from tests.engine_helpers import GREEDY, make_engine, plain_generate
+from verifier_service.budget_planner import HOLD_PASSES
 from verifier_service.engine.config import EngineConfig
 from verifier_service.engine.engine import StepResult
 from verifier_service.engine.sampling import SamplingParams
@@ -22,7 +23,7 @@ from verifier_service.errors import EngineDown, InvalidArgument, SessionNotFound
 from verifier_service.gpu_clock import GpuClock
 from verifier_service.metrics import VerifierMetrics
 from verifier_service.service import VerifierService
-from verifier_service.step_costs import StepCosts
+from verifier_service.step_costs import BatchShape, StepCosts
 from verifier_service.step_loop import RUN_AHEAD, StepEvent, StepLoop
 from verifier_service.tree_budget import FixedBudget, Offer
 from verifier_service.worker import EngineWorker
@@ -600,6 +601,48 @@ def test_the_next_burst_is_queued_before_the_last_ones_events_go_out() -> None:
         assert [event.step for event in held.events] == list(range(6)) and len(late.events) == 3
 
     run_loop(engine, None, consume)
+
+
+class NeverPays:
+    """A budget policy whose drafts never pay, idle for long (its probes due only far ahead): its offers counted."""
+
+    def __init__(self) -> None:
+        self.offers = 0
+
+    def offer(self, context: int) -> Offer:
+        self.offers += 1
+        return Offer(None, (0, 3), (0.0, 0.0), (0.0, 3.0), idle=100)
+
+    def observe(self, budget: int, tree: DraftTree | None, path: list[int]) -> None:
+        pass
+
+    def observe_plain(self, steps: int) -> None:
+        pass
+
+
+def test_a_plan_in_which_nobody_drafts_is_made_while_the_burst_before_its_pass_runs() -> None:
+    """With drafters, an all-plain plan holds HOLD_PASSES passes; the pass after that plans again. That plan is made
+    while the burst before it runs, so that pass's burst too is queued before the last one's events go out: the
+    chain of bursts never stops for a plan in which nobody drafts, and the offers are asked no more often."""
+    engine = FakeEngine({"a": 14, "b": 14}, EngineConfig(decode_burst_steps=2), step_seconds=0.002)
+    drafters = ChainDrafters({"a": 3, "b": 3})
+    costs = StepCosts()
+    for rows in (2, 4, 8, 16):
+        costs.observe_batch(BatchShape(2, rows), 8, 0.001 * rows)
+    costs.observe_draft(3, 8, 0.005)
+
+    async def consume(loop: StepLoop) -> None:
+        loop.planner.probe_share = 1e-9  # NOTE: no probe within the test
+        policies, sinks = [NeverPays(), NeverPays()], [QueueWatchingSink(engine), QueueWatchingSink(engine)]
+        await asyncio.gather(*(loop.run(engine.sessions[sid], policy, sink)
+                               for sid, policy, sink in zip("ab", policies, sinks)))
+        # NOTE: the first step is no burst; from the first burst's events on, the next burst was already queued
+        assert sinks[0].queued == sinks[1].queued == [0, *range(2, 14), 13]
+        # NOTE: plans at the first burst's pass and at every HOLD_PASSES-th burst after it
+        assert [policy.offers for policy in policies] == [1 + 12 // HOLD_PASSES] * 2
+
+    run_loop(engine, drafters, consume, costs=costs)
+    assert engine.batches == [["a", "b"]] * 14 and drafters.rounds == []
 
 
 def test_a_sink_that_fails_ends_its_own_generation_and_no_other() -> None:

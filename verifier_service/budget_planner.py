@@ -67,12 +67,16 @@ class BudgetPlanner:
         self.plain_for: frozenset | None = None  # the sessions of the last plan, when nobody drafted in it
         self.held = 0  # passes since that plan that it held for
 
-    def holds(self, sessions: frozenset) -> bool:
-        """Whether this pass of `sessions` (any hashable names) may skip its plan: the last plan was for the same
+    def may_hold(self, sessions: frozenset) -> bool:
+        """Whether a pass of `sessions` (any hashable names) may skip its plan: the last plan was for the same
         sessions, nobody drafted in it, it has held for fewer than HOLD_PASSES - 1 passes since, and no probe is due
-        (the last plan had idle sessions and their next probe is not yet). Counts the pass when it may."""
-        if (sessions != self.plain_for or self.held >= HOLD_PASSES - 1
-                or not self.probe_wait or self.since_probe + 1 >= self.probe_wait):
+        (the last plan had idle sessions and their next probe is not yet)."""
+        return not (sessions != self.plain_for or self.held >= HOLD_PASSES - 1
+                    or not self.probe_wait or self.since_probe + 1 >= self.probe_wait)
+
+    def holds(self, sessions: frozenset) -> bool:
+        """`may_hold`, the pass counted when it may."""
+        if not self.may_hold(sessions):
             return False
         self.held += 1
         self.since_probe += 1
@@ -87,6 +91,16 @@ class BudgetPlanner:
         budgets = self._plan(offers, context, besides, hidden_s)
         self.plain_for, self.held = (sessions if not any(budgets) else None), 0
         return budgets
+
+    def plan_plain(self, offers: list[Offer], context: int, besides: int = 0, hidden_s: float = 0.0,
+                   sessions: frozenset | None = None) -> bool:
+        """`plan`, made ahead of its pass (while the step before it runs): kept when nobody drafts in it (True);
+        otherwise undone (False), so that the pass plans when it comes, from its sessions' latest records."""
+        state = self.since_probe, self.vain_probes, self.probe_wait, self.plain_for, self.held
+        if not any(self.plan(offers, context, besides, hidden_s, sessions)):
+            return True
+        self.since_probe, self.vain_probes, self.probe_wait, self.plain_for, self.held = state
+        return False
 
     def _plan(self, offers: list[Offer], context: int, besides: int, hidden_s: float) -> list[int]:
         self.since_probe += 1
