@@ -645,6 +645,23 @@ def test_a_plan_in_which_nobody_drafts_is_made_while_the_burst_before_its_pass_r
     assert engine.batches == [["a", "b"]] * 14 and drafters.rounds == []
 
 
+def test_the_burst_after_a_tree_step_whose_drafts_failed_is_queued_before_its_events_go_out() -> None:
+    """A pass where one session drafts beside a plain one and no draft is accepted goes on in a burst; that burst
+    goes to the engine before the tree step's events are handed on, so the GPU does not wait for the hand-over."""
+    engine = FakeEngine({"drafting": 7, "plain": 7}, EngineConfig(decode_burst_steps=2), step_seconds=0.002)
+
+    async def consume(loop: StepLoop) -> None:
+        drafting, plain = QueueWatchingSink(engine), QueueWatchingSink(engine)
+        await asyncio.gather(loop.run(engine.sessions["drafting"], FixedBudget(3), drafting),
+                             loop.run(engine.sessions["plain"], FixedBudget(0), plain))
+        # NOTE: the first step drafts nothing; each tree step's event went out after its burst was queued
+        assert drafting.queued == plain.queued == [0, 1, 1, 2, 2, 3, 3]
+        assert [event.drafted_nodes for event in drafting.events] == [0, 2, 0, 2, 0, 2, 0]
+
+    run_loop(engine, ChainDrafters({"drafting": 2, "plain": 2}), consume)
+    assert engine.batches == [["drafting", "plain"]] * 7
+
+
 def test_a_sink_that_fails_ends_its_own_generation_and_no_other() -> None:
     engine = FakeEngine({"broken": 4, "fine": 4})
 

@@ -393,7 +393,8 @@ class StepLoop:
         forwards they ran (none where they failed). A batch that only decodes plainly past its first steps is one
         burst (Engine.decode). Otherwise the tree step runs first, and its events go out (a joining session's first
         token must not wait for a burst); when the batch has a plain session and none of its drafts was accepted,
-        everyone then goes on in a burst: the burst would only hold back sessions whose drafts pay."""
+        everyone then goes on in a burst, queued before those events go out: the burst would only hold back
+        sessions whose drafts pay."""
         wanted = self.engine.config.decode_burst_steps
         plain = [plan for plan in batch if plan.tree is None and plan.stepper.cursor.step]
         if wanted > 1 and len(plain) == len(batch):
@@ -405,17 +406,20 @@ class StepLoop:
         if not results:
             return 0.0, 0
         engine_s, forwards = self.last_call_seconds, 1  # NOTE: this step's: no await since it ended
+        burst = None
         if wanted > 1 and plain and not any(result.accepted for result in results):
-            going_on = [plan for plan in batch
-                        if self.steppers.get(plan.stepper.session_id) is plan.stepper and plan.stepper.sink.has_room()]
-            if going_on:
-                plain = [_Planned(plan.stepper, 0, opening=plan.opening) for plan in going_on]
-                burst, burst_s = await self._burst(plain, wanted - 1, started, drafted)
-                engine_s, forwards = engine_s + burst_s, forwards + burst
+            # NOTE: queued before the step's events are handed on, so the GPU does not wait for the hand-over
+            burst = self._queue_burst([_Planned(plan.stepper, 0, opening=plan.opening)
+                                       for plan in self._going_on(batch, results)], wanted - 1, now=True)
+        self._deliver_all(batch, results, started, drafted)
+        if burst is not None:
+            burst_forwards, burst_s = await self._bursts(burst, started, drafted)
+            engine_s, forwards = engine_s + burst_s, forwards + burst_forwards
         return engine_s, forwards
 
     async def _step(self, batch: list[_Planned], started: float, drafted: float) -> list[StepResult]:
-        """The batch's verify step (a plain session's is its one row); its results, none when it failed."""
+        """The batch's verify step (a plain session's is its one row); its results, for the caller to hand on;
+        none when it failed (each session then stepped alone, its own result handed on)."""
         steps = [(plan.stepper.session_id, plan.tree or DraftTree.empty()) for plan in batch]
         try:
             results = await self._engine_call(self.engine.step, steps)
@@ -429,10 +433,10 @@ class StepLoop:
             # NOTE: the engine validates and reserves pages before it runs anything, so a failed batch changed
             # nothing; stepping the sessions one by one isolates the one at fault.
             for plan in batch:
-                await self._step([plan], started, drafted)
+                if alone := await self._step([plan], started, drafted):
+                    self._deliver_all([plan], alone, started, drafted)
             return []
         self._observe_batch(steps, results, self.last_run_seconds)
-        self._deliver_all(batch, results, started, drafted)
         return results
 
     async def _burst(self, batch: list[_Planned], wanted: int, started: float, drafted: float) -> tuple[int, float]:
@@ -441,7 +445,11 @@ class StepLoop:
         step by step, where a fault is isolated). While the next pass would only run another burst of the same
         generations (`_next_burst`), that burst is queued on the engine before this one's events are handed on, so
         the GPU does not wait for the hand-over and the next pass (vLLM's asynchronous scheduling)."""
-        burst = self._queue_burst(batch, wanted, now=False)
+        return await self._bursts(self._queue_burst(batch, wanted, now=False), started, drafted)
+
+    async def _bursts(self, burst: tuple[list[_Planned], int, Awaitable[list[StepResult]]] | None, started: float,
+                      drafted: float) -> tuple[int, float]:
+        """`burst` (from `_queue_burst`) and the bursts that follow it at once: see `_burst`."""
         forwards, engine_s, planned = 0, 0.0, None
         while burst is not None:
             batch, steps, call = burst
@@ -487,8 +495,7 @@ class StepLoop:
         empty when the loop must plan a pass."""
         if len(self.wakeups) > 1 or self.down_reason is not None:
             return []
-        going_on = [plan for plan, result in zip(batch, results) if not result.finished
-                    and self.steppers.get(plan.stepper.session_id) is plan.stepper and plan.stepper.sink.has_room()]
+        going_on = self._going_on(batch, results)
         leaving = {plan.stepper.session_id for plan, result in zip(batch, results) if result.finished}
         stepping = {plan.stepper.session_id for plan in going_on} | leaving
         if any(stepper.session_id not in stepping for stepper in self._ready()):
@@ -501,6 +508,12 @@ class StepLoop:
         if not (planned is not None and offering <= planned or self.planner.holds(offering)):
             return []
         return [_Planned(stepper, 0, opening=stepper.session_id in opening) for stepper in steppers]
+
+    def _going_on(self, batch: list[_Planned], results: list[StepResult]) -> list[_Planned]:
+        """The plans of `batch` whose generations step on after `results`, before these are handed on: not finished,
+        not gone, their readers not behind."""
+        return [plan for plan, result in zip(batch, results) if not result.finished
+                and self.steppers.get(plan.stepper.session_id) is plan.stepper and plan.stepper.sink.has_room()]
 
     async def _engine_call(self, fn: Callable[..., list[StepResult]], *args, forwards: int = 1) -> list[StepResult]:
         """fn(*args) on the engine; `last_call_seconds` its wall time, `last_run_seconds` the engine's time on it
