@@ -152,17 +152,24 @@ def tokens_per_s(new_policy: Callable[[StepCosts], BudgetPolicy], sessions: int,
         if made[i] >= lengths[i]:
             made[i], finished[i], policies[i], lengths[i] = 0, finished[i] + 1, new_policy(costs), tokens
 
+    planned_ahead: frozenset | None = None
     while min(finished) < generations:
         stepping = [i for i in range(sessions) if made[i]]  # NOTE: a generation's first step is plain, as the loop's
         budgets = [0] * sessions
         generations_in = frozenset((i, finished[i]) for i in stepping)  # NOTE: as the loop's session ids
-        if not planner.holds(generations_in):
+        ahead, planned_ahead = planned_ahead, None
+        if not (ahead is not None and generations_in <= ahead or planner.holds(generations_in)):
             offers = [policies[i].offer(CONTEXT) for i in stepping]
             planned = planner.plan(offers, CONTEXT, besides=sessions - len(stepping), sessions=generations_in)
             for i, budget in zip(stepping, planned):
                 budgets[i] = budget
         plain = engine.step_s(sessions, 0, sessions)
         if engine.burst > 1 and len(stepping) == sessions and not any(budgets):  # NOTE: one call, a burst
+            # NOTE: while it runs, the loop plans the next pass where that would plan, from these records
+            # (StepLoop._plan_ahead); a plan in which someone drafts is left to that pass
+            if not planner.may_hold(generations_in) and planner.plan_plain(
+                    [policies[i].offer(CONTEXT) for i in stepping], CONTEXT, sessions=generations_in):
+                planned_ahead = generations_in
             elapsed += engine.call_s + engine.burst * (plain + engine.plain_host_s)
             costs.observe_batch(BatchShape(sessions, sessions), CONTEXT, engine.call_s / engine.burst + plain)
             costs.observe_pass_host(False, engine.plain_host_s)

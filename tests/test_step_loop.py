@@ -623,7 +623,7 @@ class NeverPays:
 def test_a_plan_in_which_nobody_drafts_is_made_while_the_burst_before_its_pass_runs() -> None:
     """With drafters, an all-plain plan holds HOLD_PASSES passes; the pass after that plans again. That plan is made
     while the burst before it runs, so that pass's burst too is queued before the last one's events go out: the
-    chain of bursts never stops for a plan in which nobody drafts, and the offers are asked no more often."""
+    chain of bursts never stops for a plan in which nobody drafts."""
     engine = FakeEngine({"a": 14, "b": 14}, EngineConfig(decode_burst_steps=2), step_seconds=0.002)
     drafters = ChainDrafters({"a": 3, "b": 3})
     costs = StepCosts()
@@ -638,8 +638,9 @@ def test_a_plan_in_which_nobody_drafts_is_made_while_the_burst_before_its_pass_r
                                for sid, policy, sink in zip("ab", policies, sinks)))
         # NOTE: the first step is no burst; from the first burst's events on, the next burst was already queued
         assert sinks[0].queued == sinks[1].queued == [0, *range(2, 14), 13]
-        # NOTE: plans at the first burst's pass and at every HOLD_PASSES-th burst after it
-        assert [policy.offers for policy in policies] == [1 + 12 // HOLD_PASSES] * 2
+        # NOTE: a plan at the first burst's pass, then one ahead every HOLD_PASSES - 1 bursts (a plan made ahead
+        # holds one pass less)
+        assert [policy.offers for policy in policies] == [1 + 12 // (HOLD_PASSES - 1)] * 2
 
     run_loop(engine, drafters, consume, costs=costs)
     assert engine.batches == [["a", "b"]] * 14 and drafters.rounds == []

@@ -516,7 +516,8 @@ def test_a_plan_in_which_nobody_drafts_holds_a_few_passes_of_the_same_sessions()
 
 def test_a_plan_made_ahead_is_kept_only_when_nobody_drafts_in_it() -> None:
     """The step loop plans a pass ahead while the burst before it runs: a plan in which nobody drafts is kept as
-    `plan` would have made it; one that drafts (a probe due) is undone, so the pass itself still probes."""
+    `plan` would have made it, holding one pass less (its records are a step older); one that drafts (a probe due)
+    is undone, so the pass itself still probes."""
     planner = BudgetPlanner(measured_costs())
     offers, names = [offer(0, idle=10) for _ in range(8)], frozenset(range(8))
     kept = undone = 0
@@ -532,8 +533,9 @@ def test_a_plan_made_ahead_is_kept_only_when_nobody_drafts_in_it() -> None:
             assert planner.plan(offers, 500, sessions=names) == [3] * 8
             undone += 1
         else:
-            assert planner.plan_plain(offers, 500, sessions=names) and state(planner) == state(planned)
-            assert planner.plain_for == names  # NOTE: the next passes may hold it
+            assert planner.plan_plain(offers, 500, sessions=names)
+            assert state(planner) == {**state(planned), "held": 1}  # NOTE: it holds one pass less
+            assert planner.plain_for == names
             kept += 1
     assert kept > 100 and undone > 2
 

@@ -95,9 +95,12 @@ class BudgetPlanner:
     def plan_plain(self, offers: list[Offer], context: int, besides: int = 0, hidden_s: float = 0.0,
                    sessions: frozenset | None = None) -> bool:
         """`plan`, made ahead of its pass (while the step before it runs): kept when nobody drafts in it (True);
-        otherwise undone (False), so that the pass plans when it comes, from its sessions' latest records."""
+        otherwise undone (False), so that the pass plans when it comes, from its sessions' latest records. A plan
+        kept holds one pass less: made from records a step older than its pass's, it would otherwise stand for
+        records older than any plan made by its pass (simulated: one warm-up session lost 15% of its rate)."""
         state = self.since_probe, self.vain_probes, self.probe_wait, self.plain_for, self.held
         if not any(self.plan(offers, context, besides, hidden_s, sessions)):
+            self.held = 1
             return True
         self.since_probe, self.vain_probes, self.probe_wait, self.plain_for, self.held = state
         return False

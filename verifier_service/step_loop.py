@@ -331,7 +331,7 @@ class StepLoop:
         to be handed on and then for the offers and the plan, the GPU idle (H200, Qwen3-0.6B shape, 64 sessions at
         acceptance ~1: a gap of ~1.8 ms between engine calls against plain decoding's 0.6). None: the pass plans
         when it comes (a plan in which someone drafts is made from its sessions' latest records)."""
-        if self.drafters is None or len(self.wakeups) > 1 or not batch:
+        if self.drafters is None or len(self.wakeups) > 1:
             return None
         steppers = [plan.stepper for plan in batch]
         offering = self._offering(steppers, self._opening(steppers))
