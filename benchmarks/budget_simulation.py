@@ -167,7 +167,7 @@ def tokens_per_s(new_policy: Callable[[StepCosts], BudgetPolicy], sessions: int,
         if engine.burst > 1 and len(stepping) == sessions and not any(budgets):  # NOTE: one call, a burst
             # NOTE: while it runs, the loop plans the next pass where that would plan, from these records
             # (StepLoop._plan_ahead); a plan in which someone drafts is left to that pass
-            if not planner.may_hold(generations_in) and planner.plan_plain(
+            if planner.plans_ahead(generations_in) and planner.plan_plain(
                     [policies[i].offer(CONTEXT) for i in stepping], CONTEXT, sessions=generations_in):
                 planned_ahead = generations_in
             elapsed += engine.call_s + engine.burst * (plain + engine.plain_host_s)

@@ -496,8 +496,10 @@ def test_a_plan_in_which_nobody_drafts_holds_a_few_passes_of_the_same_sessions()
         pass
     assert planner.probe_wait > 2 * HOLD_PASSES
     since_probe = planner.since_probe
+    assert not planner.plans_ahead(names)  # NOTE: the step loop plans ahead only a plan that would not hold
     held = [planner.holds(names) for _ in range(HOLD_PASSES)]
     assert held == [True] * (HOLD_PASSES - 1) + [False]
+    assert planner.plans_ahead(names) and not planner.plans_ahead(names | {8})
     assert planner.since_probe == since_probe + HOLD_PASSES - 1  # NOTE: the held passes count towards the next probe
     assert not planner.holds(names | {8})
     assert any(planner.plan([Offer(3)] + offers[1:], 500, sessions=names))  # NOTE: a pinned draft

@@ -325,17 +325,17 @@ class StepLoop:
         return list(offered.values()), context, len(steppers) - len(offered), hidden_s, frozenset(offered)
 
     def _plan_ahead(self, batch: list[_Planned]) -> frozenset[str] | None:
-        """While `batch`'s burst runs: the plan of the pass after it, where that pass would plan (the last plan no
-        longer holds) and nobody drafts in it (BudgetPlanner.plan_plain): the sessions it is for, whose next burst
-        is then queued as this one ends (`_next_burst`). Otherwise that pass's burst waited for this one's events
-        to be handed on and then for the offers and the plan, the GPU idle (H200, Qwen3-0.6B shape, 64 sessions at
-        acceptance ~1: a gap of ~1.8 ms between engine calls against plain decoding's 0.6). None: the pass plans
-        when it comes (a plan in which someone drafts is made from its sessions' latest records)."""
+        """While `batch`'s burst runs: the plan of the pass after it, where that pass would plan only because the
+        last plan has held as long as it may (BudgetPlanner.plans_ahead), and nobody drafts in it (`plan_plain`):
+        the sessions it is for, whose next burst is then queued as this one ends (`_next_burst`). Otherwise that
+        pass's burst waited for this one's events to be handed on and then for the offers and the plan, the GPU
+        idle (H200, Qwen3-0.6B shape, 64 sessions at acceptance ~1: a gap of ~1.8 ms between engine calls against
+        plain decoding's 0.6). None: the pass plans when it comes, from its sessions' latest records."""
         if self.drafters is None or len(self.wakeups) > 1:
             return None
         steppers = [plan.stepper for plan in batch]
         offering = self._offering(steppers, self._opening(steppers))
-        if not offering or self.planner.may_hold(offering):
+        if not self.planner.plans_ahead(offering):
             return None
         offered = self._offers(steppers, offering)
         steppers = [stepper for stepper in steppers if self.steppers.get(stepper.session_id) is stepper]
