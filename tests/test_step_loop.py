@@ -620,16 +620,21 @@ class NeverPays:
         pass
 
 
+def measured_loop_costs() -> StepCosts:
+    """Costs as a loop of two sessions has measured them: verify rows and a draft round."""
+    costs = StepCosts()
+    for rows in (2, 4, 8, 16):
+        costs.observe_batch(BatchShape(2, rows), 8, 0.001 * rows)
+    costs.observe_draft(3, 8, 0.005)
+    return costs
+
+
 def test_a_plan_in_which_nobody_drafts_is_made_while_the_burst_before_its_pass_runs() -> None:
     """With drafters, an all-plain plan holds HOLD_PASSES passes; the pass after that plans again. That plan is made
     while the burst before it runs, so that pass's burst too is queued before the last one's events go out: the
     chain of bursts never stops for a plan in which nobody drafts."""
     engine = FakeEngine({"a": 14, "b": 14}, EngineConfig(decode_burst_steps=2), step_seconds=0.002)
     drafters = ChainDrafters({"a": 3, "b": 3})
-    costs = StepCosts()
-    for rows in (2, 4, 8, 16):
-        costs.observe_batch(BatchShape(2, rows), 8, 0.001 * rows)
-    costs.observe_draft(3, 8, 0.005)
 
     async def consume(loop: StepLoop) -> None:
         loop.planner.probe_share = 1e-9  # NOTE: no probe within the test
@@ -642,8 +647,32 @@ def test_a_plan_in_which_nobody_drafts_is_made_while_the_burst_before_its_pass_r
         # holds one pass less)
         assert [policy.offers for policy in policies] == [1 + 12 // (HOLD_PASSES - 1)] * 2
 
-    run_loop(engine, drafters, consume, costs=costs)
+    run_loop(engine, drafters, consume, costs=measured_loop_costs())
     assert engine.batches == [["a", "b"]] * 14 and drafters.rounds == []
+
+
+def test_a_policy_that_fails_while_its_plan_is_made_ahead_ends_its_own_generation_and_no_other() -> None:
+    """A plan made ahead asks the same offers as a pass's plan: a policy that fails there ends its own generation
+    while the burst it is in still runs; its result from that burst goes nowhere, and the others step on."""
+    engine = FakeEngine({"odd": 14, "fine": 14}, EngineConfig(decode_burst_steps=2), step_seconds=0.002)
+
+    class FailsAhead(NeverPays):
+        def offer(self, context: int) -> Offer:
+            if self.offers == 1:  # NOTE: the first offer is the pass's plan, the second the plan made ahead
+                raise ZeroDivisionError("a policy bug")
+            return super().offer(context)
+
+    async def consume(loop: StepLoop) -> None:
+        loop.planner.probe_share = 1e-9
+        odd, fine = HeldSink(), HeldSink()
+        failed, done = await asyncio.gather(loop.run(engine.sessions["odd"], FailsAhead(), odd),
+                                            loop.run(engine.sessions["fine"], NeverPays(), fine),
+                                            return_exceptions=True)
+        assert isinstance(failed, ZeroDivisionError) and done is None
+        assert len(fine.events) == 14
+        assert len(odd.events) == 4  # NOTE: its first step and three bursts; the fourth ran as its offer failed
+
+    run_loop(engine, ChainDrafters({"odd": 3, "fine": 3}), consume, costs=measured_loop_costs())
 
 
 def test_the_burst_after_a_tree_step_whose_drafts_failed_is_queued_before_its_events_go_out() -> None:
