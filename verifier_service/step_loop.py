@@ -295,16 +295,16 @@ class StepLoop:
         offering = self._offering(steppers, opening)
         if self.planner.holds(offering):  # NOTE: the last plan, all plain, stands: no offers asked
             return [_Planned(stepper, 0, opening=stepper.session_id in opening) for stepper in steppers]
-        offered = self._offers(steppers, offering)
-        steppers = [stepper for stepper in steppers if self.steppers.get(stepper.session_id) is stepper]
+        offered, steppers = self._offers(steppers, offering)
         if not offered:
             return [_Planned(stepper, 0, opening=stepper.session_id in opening) for stepper in steppers]
         budgets = dict(zip(offered, self.planner.plan(*self._plan_inputs(steppers, offered))))
         return [_Planned(stepper, budgets.get(stepper.session_id, 0), opening=stepper.session_id in opening)
                 for stepper in steppers]
 
-    def _offers(self, steppers: list[Stepper], offering: frozenset[str]) -> dict[str, Offer]:
-        """The offers of the `offering` steppers; a stepper whose policy fails is dropped, its generation ended."""
+    def _offers(self, steppers: list[Stepper], offering: frozenset[str]) -> tuple[dict[str, Offer], list[Stepper]]:
+        """The offers of the `offering` steppers, and the steppers still stepping: one whose policy fails is
+        dropped, its generation ended."""
         offered: dict[str, Offer] = {}
         for stepper in steppers:
             if stepper.session_id in offering:
@@ -314,7 +314,7 @@ class StepLoop:
                     log.exception("session %s: its tree budget's offer failed", stepper.session_id)
                     self._drop(stepper)
                     stepper.fail(error)
-        return offered
+        return offered, [stepper for stepper in steppers if self.steppers.get(stepper.session_id) is stepper]
 
     def _plan_inputs(self, steppers: list[Stepper], offered: dict[str, Offer]
                      ) -> tuple[list[Offer], int, int, float, frozenset[str]]:
@@ -337,8 +337,7 @@ class StepLoop:
         offering = self._offering(steppers, self._opening(steppers))
         if not self.planner.plans_ahead(offering):
             return None
-        offered = self._offers(steppers, offering)
-        steppers = [stepper for stepper in steppers if self.steppers.get(stepper.session_id) is stepper]
+        offered, steppers = self._offers(steppers, offering)
         if not offered or not self.planner.plan_plain(*self._plan_inputs(steppers, offered)):
             return None
         return frozenset(offered)
