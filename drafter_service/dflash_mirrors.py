@@ -151,7 +151,8 @@ class DFlashMirrors:
             slots = [m.slot for m, count in zip(mirrors, counts) for _ in range(count)]
             positions = [p for m, count in zip(mirrors, counts) for p in range(m.length, m.length + count)]
             if slots:
-                (writer or self.write_now)(RowBatch(torch.cat(features), slots, positions))
+                rows = features[0] if len(features) == 1 else torch.cat(features)
+                (writer or self.write_now)(RowBatch(rows, slots, positions))
             for mirror, count in zip(mirrors, counts):
                 mirror.length += count
         elif steps:

@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from drafter_service.dflash_mirrors import DFlashMirrors, DraftBatch, RowBatch
@@ -38,6 +39,7 @@ class _Rows(NamedTuple):
     indices: torch.Tensor
     host_features: torch.Tensor
     host_indices: torch.Tensor
+    host_index_array: np.ndarray  # NOTE: host_indices' memory: numpy writes cost a few us where torch's cost tens
 
 
 class DraftGraphs:
@@ -55,6 +57,7 @@ class DraftGraphs:
         self.committers: dict[int, torch.cuda.CUDAGraph] = {}
         if self.graphed:
             self.host = torch.zeros(3, mirrors.max_sessions, dtype=torch.long, pin_memory=True)
+            self.host_array = self.host.numpy()  # NOTE: the same memory, written with numpy (see _Rows)
             self.inputs = torch.zeros(3, mirrors.max_sessions, dtype=torch.long, device=device)  # slots, roots, starts
             self.rows = _row_buffers(mirrors, self.row_buckets[-1])
             self.pool = torch.cuda.graph_pool_handle()  # NOTE: buckets never replay at once, so they share memory
@@ -104,8 +107,9 @@ class DraftGraphs:
     def _upload(self, inputs: DraftBatch, size: int) -> None:
         count = len(inputs.slots)
         # NOTE: the previous run waited for its results, so its upload has left the pinned buffer.
-        self.host[:, :count] = torch.tensor(inputs)
-        self.host[:, count:size] = self.host[:, :1]  # padding: the first session again, its rows dropped
+        host = self.host_array
+        host[:, :count] = inputs
+        host[:, count:size] = host[:, :1]  # padding: the first session again, its rows dropped
         self.inputs.copy_(self.host, non_blocking=True)
 
     def _write_chunk(self, rows: RowBatch) -> None:
@@ -113,8 +117,9 @@ class DraftGraphs:
         size = next(b for b in self.row_buckets if b >= count)
         buffers = self.rows
         # NOTE: the previous draft waited for its results, so the uploads before it have left the pinned buffers.
-        buffers.host_indices[:, :count] = torch.tensor([rows.slots, rows.positions])
-        buffers.host_indices[0, count:size] = self.mirrors.dump_slot
+        host = buffers.host_index_array
+        host[0, :count], host[1, :count] = rows.slots, rows.positions
+        host[0, count:size] = self.mirrors.dump_slot
         buffers.indices[:, :size].copy_(buffers.host_indices[:, :size], non_blocking=True)
         if rows.features.is_cuda:
             buffers.features[:count].copy_(rows.features)
@@ -145,7 +150,7 @@ def _row_buffers(mirrors: DFlashMirrors, rows: int) -> _Rows:
     """Buffers for `rows` committed rows."""
     weight = mirrors.model.fc.weight
     shape = (rows, mirrors.model.config.feature_dim)
+    host_indices = torch.zeros(2, rows, dtype=torch.long, pin_memory=True)
     return _Rows(weight.new_zeros(shape), torch.zeros(2, rows, dtype=torch.long, device=weight.device),
-                 torch.zeros(shape, dtype=weight.dtype, pin_memory=True),
-                 torch.zeros(2, rows, dtype=torch.long, pin_memory=True))
+                 torch.zeros(shape, dtype=weight.dtype, pin_memory=True), host_indices, host_indices.numpy())
 

@@ -184,8 +184,8 @@ class LeaderEngine(Engine):
     def head(self, hidden: torch.Tensor, greedy: bool) -> torch.Tensor:
         return self._mirrored(Head(greedy), functools.partial(super().head, hidden, greedy))
 
-    def commit(self, src_rows: list[int], dst_slots: list[int]) -> None:
-        self._mirrored(Commit(src_rows, dst_slots), functools.partial(super().commit, src_rows, dst_slots))
+    def commit(self, src_rows: list[int], dst_slots: list[int]) -> torch.Tensor:
+        return self._mirrored(Commit(src_rows, dst_slots), functools.partial(super().commit, src_rows, dst_slots))
 
     def _mirrored(self, command: Command, run: Callable[[], T]) -> T:
         if self.down:

@@ -335,11 +335,13 @@ class Engine:
         """[N] argmax tokens when `greedy` (no full logits needed: the vocab may be sharded), else [N, V] logits."""
         return self.model.greedy_tokens(hidden) if greedy else self.model.logits(hidden)
 
-    def commit(self, src_rows: list[int], dst_slots: list[int]) -> None:
-        """Copy tree-scratch rows into page slots, in every layer."""
+    def commit(self, src_rows: list[int], dst_slots: list[int]) -> torch.Tensor:
+        """Copy tree-scratch rows into page slots, in every layer -> the rows as uploaded ([2, N] on the device:
+        src_rows, dst_slots), for whatever else gathers the same rows."""
         rows = torch.tensor([src_rows, dst_slots], pin_memory=self.device.type == "cuda")
         rows = rows.to(self.device, non_blocking=True)  # NOTE: no wait for the GPU to drain
         self.backend.commit(self.kv, self.scratch, rows[0], rows[1])
+        return rows
 
     # ---- the speculative step ---------------------------------------------------------------------
 
@@ -423,11 +425,10 @@ class Engine:
                 features=None,
                 finished=reason,
             ))
-        if features is not None:  # NOTE: one gather for the batch, split into views per session
-            per_session = features[torch.tensor(src_rows, device=features.device)].split(
-                [len(r.committed) for r in results])
+        rows = self.commit(src_rows, dst_slots)
+        if features is not None:  # NOTE: one gather for the batch (the commit's upload), split into views per session
+            per_session = features[rows[0]].split([len(r.committed) for r in results])
             results = [dataclasses.replace(r, features=f) for r, f in zip(results, per_session)]
-        self.commit(src_rows, dst_slots)
         for s in sessions:
             s.block_table.truncate(s.kv_len)  # give back pages reserved for deeper paths
         return results
