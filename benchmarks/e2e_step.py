@@ -2,7 +2,8 @@
 
 - this engine: the verify step alone (forward + greedy head, replayed from a CUDA graph, and eagerly),
   the whole engine step (batch upload, verify, target tokens, acceptance, commit), and draft + tree + step
-  with a 5-layer DFlash-shaped drafter; for the breakdown, the attention kernel alone x layers;
+  with a 5-layer DFlash-shaped drafter, as served (the verify keeps the drafter's target-layer features and the
+  next draft commits the step's committed rows); for the breakdown, the attention kernel alone x layers;
 - the DDTree reference way: HF transformers' model of the same shape (its own random weights: timing does not
   depend on the values, and an MoE model does not fit twice), SDPA with a dense 4-D additive mask over
   prefix + tree, DynamicCache cropped back after the step; skipped above `--hf-max-context`;
@@ -337,7 +338,7 @@ def measure_ours(engine: Engine, drafter: DFlashDrafter, context: int, budget: i
     if profiled:
         row["verify_kernels_ms"] = kernel_breakdown(verify_only)
         row["engine_step_busy_ms"] = sum(kernel_breakdown(engine_step).values())
-    engine.feature_layers = tuple(drafter.info.target_layer_ids)
+    unserved, engine.feature_layers = engine.feature_layers, tuple(drafter.info.target_layer_ids)
     try:
         row["draft_and_step_ms"] = timed(whole_step)
         if profiled:
@@ -345,7 +346,7 @@ def measure_ours(engine: Engine, drafter: DFlashDrafter, context: int, budget: i
     except Exception as error:  # NOTE: keep the verify numbers when the drafter fails; the table says why
         row["draft_and_step_ms"], row["draft_error"] = float("nan"), repr(error)
     finally:
-        engine.feature_layers = None
+        engine.feature_layers = unserved
     drafter.close(session_id)
     engine.release_session(session_id)
     return row
