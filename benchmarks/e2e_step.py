@@ -412,7 +412,9 @@ def markdown(result: dict) -> str:
              f"`{result['command']}`", "",
              f"copy bandwidth {result['bandwidth'] / 1e12:.2f} TB/s, bf16 matmul {result['rate'] / 1e12:.0f} TFLOP/s.",
              "verify = forward replayed from a CUDA graph + greedy head + reading the tokens; eager = the same "
-             "forward launched op by op; attention = the verify kernel alone x layers (its share of verify).", "",
+             "forward launched op by op; attention = the verify kernel alone x layers (its share of verify); "
+             "draft + tree + step = the DFlash drafter's commit and draft, its tree and the engine step, as served "
+             "(the verify keeps the drafter's features, the next draft commits the step's rows).", "",
              "serial floor = the roofline per part (weights, attention) summed: where attention is compute-bound and "
              "the weights bandwidth-bound, the floor of layers that run one after another.", "",
              "| context | budget | roofline | serial floor | verify | verify / roofline | verify / serial floor "
