@@ -322,7 +322,8 @@ def measure_ours(engine: Engine, drafter: DFlashDrafter, context: int, budget: i
     step_number = iter(range(1 << 30))
     # NOTE: as served, each step's verify keeps the drafter's target-layer features and the drafter commits the
     # rows the step committed; the first step commits the root with random features
-    last = StepResult(session_id, [], [], [], session.kv_len, [session.root], seed_features[-1:], None)
+    last = StepResult(session_id, accepted=[], path=[], emitted=[], commit_start=session.kv_len,
+                      committed=[session.root], features=seed_features[-1:], finished=None)
 
     def whole_step() -> None:
         nonlocal last
