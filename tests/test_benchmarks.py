@@ -90,7 +90,7 @@ def test_draft_step_smoke_run_writes_its_table(tmp_path: Path) -> None:
     for key in ("commit_ms", "draft_ms", "tree_ms", "whole_ms", "floor_ms"):
         assert all(math.isfinite(r[key]) and r[key] > 0 for r in rows), key
     text = (tmp_path / "draft_step_tiny.md").read_text()
-    assert "| eager | 3 | 2 |" in text
+    assert "| eager | 3 | 2 |" in text and "| draft + tree / floor |" in text
     # NOTE: --profile: each stage's ops, the drafter's matmuls among the draft's
     assert all(set(r["profile"]) == {"commit", "draft", "tree", "whole"} for r in rows)
     assert any("mm" in e["op"] for e in rows[1]["profile"]["draft"]["host"])
