@@ -8,7 +8,7 @@ distinct opening per session), so that n-gram drafting hits. Writes long_context
 
     python benchmarks/long_context.py --shape qwen3-8b [--contexts 32k 128k 185k] [--drafters ngram dflash none]
         [--sessions 1] [--max-new-tokens 256] [--tree-budget 15] [--budget-policy fixed|adaptive]
-        [--tree-budgets 7 15 31 63 adaptive] [--repeats 3]
+        [--tree-budgets 7 15 31 63 adaptive] [--repeats 3] [--documents 3]
         [--verifier-arg "--prefill-chunk 128"] [--kv-budget-mb MB] [--checkpoint-dir DIR] [--out-dir DIR]
     python benchmarks/long_context.py --shape tiny --contexts 512 --drafters ngram none   # CPU smoke run
 
@@ -20,7 +20,8 @@ built-in tiny model and its DFlash drafter, on the CPU.
 
 `--tree-budgets` runs every context once per choice on the same stack (a speculative drafter's requests pin the
 budget, or leave it to the verifier's adaptive policy), and the table sets each against the best fixed one;
-`--repeats N` runs each N times (every other time in reverse order) and compares their medians.
+`--repeats N` runs each N times (every other time in reverse order) and compares their medians; `--documents N`
+runs each on N documents (the sessions' openings differ), so that a choice's median is not one text's luck.
 
 A run too long for one sitting splits by drafter (or context): later parts add their rows with `--merge`, e.g.
     python benchmarks/long_context.py --shape qwen3-8b --drafters none ngram
@@ -256,9 +257,9 @@ class StackPlan:
     checkpoints: Checkpoints
     verifier_args: tuple[str, ...]
     drafter_args: tuple[str, ...]
-    texts: dict[int, list[str]]
+    texts: dict[int, list[list[str]]]  # per context, per document: the sessions' prompts
     budgets: dict[str, int]  # a speculative drafter's runs per context: name -> the requests' pinned budget
-    repeats: int  # runs of each budget per context, every other one in reverse order
+    repeats: int  # runs of each budget per context and document, every other one in reverse order
     max_new_tokens: int
     start_timeout_s: float
     log_dir: Path | None
@@ -283,13 +284,16 @@ def measure(drafter: str, plan: StackPlan) -> tuple[list[dict], float]:
         start_s = time.perf_counter() - started
         rows = []
         budgets = {"-": 0} if drafter == "none" else plan.budgets
-        for context, texts in plan.texts.items():
-            for repeat in range(plan.repeats):
-                for budget, pin in (reversed if repeat % 2 else list)(budgets.items()):
+        for context, documents in plan.texts.items():
+            runs = [(document, texts, repeat) for document, texts in enumerate(documents, 1)
+                    for repeat in range(1, plan.repeats + 1)]
+            for turn, (document, texts, repeat) in enumerate(runs):
+                for budget, pin in (reversed if turn % 2 else list)(budgets.items()):
                     before = verifier_counters(metrics_port)
                     streams, duration_s = asyncio.run(run_sessions(gateway, texts, plan.max_new_tokens, pin))
                     rows.append({**context_row(drafter, context, budget, streams, duration_s, before,
-                                               verifier_counters(metrics_port)), "run": repeat + 1})
+                                               verifier_counters(metrics_port)), "document": document,
+                                 "run": repeat})
                     print(json.dumps(rows[-1]), flush=True)
         return rows, start_s
     finally:
@@ -361,14 +365,15 @@ def markdown(result: dict) -> str:
               + (f", budget policy {settings['budget_policy']}" if settings["budget_policy"] else "")
               + (f"; verifier arguments `{shlex.join(settings['verifier_args'])}`" if settings["verifier_args"]
                  else "") + ".", "",
-              "| context | drafter | budget | run | TTFT ms (mean / max) | decode tok/s per session | all sessions "
-              "| vs plain | vs best fixed budget | ms / step | verifier step ms | outside the verifier ms "
-              "| draft round ms | the drafter's own ms | seed ms | mean acceptance | mean tree budget "
-              "| draft misses |", "|---" * 18 + "|"]
+              "| context | drafter | budget | document | run | TTFT ms (mean / max) | decode tok/s per session "
+              "| all sessions | vs plain | vs best fixed budget | ms / step | verifier step ms "
+              "| outside the verifier ms | draft round ms | the drafter's own ms | seed ms | mean acceptance "
+              "| mean tree budget | draft misses |", "|---" * 19 + "|"]
     for r in result["rows"]:
         speedup = "-" if r["speedup_vs_plain"] is None else f"{r['speedup_vs_plain']:.2f}x"
         vs_best = "-" if r.get("vs_best_fixed") is None else f"{r['vs_best_fixed']:.2f}x"
-        lines.append(f"| {context_label(r['context'])} | {r['drafter']} | {r.get('budget', '-')} | {r.get('run', 1)} | "
+        lines.append(f"| {context_label(r['context'])} | {r['drafter']} | {r.get('budget', '-')} | "
+                     f"{r.get('document', 1)} | {r.get('run', 1)} | "
                      f"{r['ttft_ms']:.0f} / {r['ttft_max_ms']:.0f} | {cell(r['decode_tokens_per_s'])} | "
                      f"{cell(r['decode_tokens_per_s_all_sessions'])} | {speedup} | {vs_best} "
                      f"| {cell(r['ms_per_step'], 2)} | {cell(r['verifier_step_ms'], 2)} | "
@@ -430,6 +435,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help='more verifier options, e.g. --verifier-arg "--prefill-chunk 128" (repeatable)')
     parser.add_argument("--drafter-arg", action="append", default=[], metavar="WORDS",
                         help='more drafter options, e.g. --drafter-arg "--context-window 4096" (repeatable)')
+    parser.add_argument("--documents", type=int, default=1,
+                        help="documents per context (the sessions' openings differ); every choice runs on each, "
+                             "and the summary's medians are over all of them: with random weights the text, and "
+                             "so the acceptance, changes with the document")
     parser.add_argument("--kv-budget-mb", type=float,
                         help="the verifier's KV cache (default: --sessions sessions of the longest context and its "
                              "new tokens; qwen3-8b at 185k: ~27 GB a session)")
@@ -467,8 +476,9 @@ def main() -> None:
     parser = build_parser()
     args = parser.parse_args()
     started = time.perf_counter()
-    if args.sessions < 1 or args.max_new_tokens < 2 or args.repeats < 1:
-        parser.error("--sessions and --repeats must be >= 1 and --max-new-tokens >= 2 (a step after the first token)")
+    if min(args.sessions, args.repeats, args.documents) < 1 or args.max_new_tokens < 2:
+        parser.error("--sessions, --repeats and --documents must be >= 1 and --max-new-tokens >= 2 (a step after the "
+                     "first token)")
     pins = sweep_pins(parser, args)
     extra_verifier = verifier_words(args)
     if unknown := unknown_to_verifier(extra_verifier):
@@ -477,7 +487,8 @@ def main() -> None:
     settings = {"sessions": args.sessions, "max_new_tokens": args.max_new_tokens, "tree_budget": args.tree_budget,
                 "budget_policy": args.budget_policy, "page_size": args.page_size, "verifier_args": extra_verifier,
                 "drafter_args": extra_drafter, **({"tree_budgets": args.tree_budgets} if args.tree_budgets else {}),
-                **({"repeats": args.repeats} if args.repeats > 1 else {})}
+                **({"repeats": args.repeats} if args.repeats > 1 else {}),
+                **({"documents": args.documents} if args.documents > 1 else {})}
     json_path, md_path = (args.out_dir / f"long_context_{args.shape}.{ext}" for ext in ("json", "md"))
     earlier = None
     if args.merge:  # NOTE: checked before the (long) measurements, not after them
@@ -497,8 +508,8 @@ def main() -> None:
     kv_mb = args.kv_budget_mb or kv_budget_mb(found.target, max_context, args.sessions, args.page_size)
     plan = StackPlan(found, ("--tree-budget", str(args.tree_budget), "--max-context", str(max_context),
                              "--kv-budget-mb", f"{kv_mb:.1f}", "--page-size", str(args.page_size), *extra_verifier),
-                     tuple(extra_drafter), {context: [text[:context] for text in prompts(args.sessions, context)]
-                                            for context in args.contexts},
+                     tuple(extra_drafter), {context: [[text[:context] for text in prompts(args.sessions, context, d)]
+                                                      for d in range(args.documents)] for context in args.contexts},
                      pins, args.repeats, args.max_new_tokens, args.start_timeout_s, args.log_dir)
     rows, start_s = [], {}
     for drafter in args.drafters:

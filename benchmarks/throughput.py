@@ -39,10 +39,12 @@ PARAGRAPH = ("The verifier keeps the prefix dense in pages, the drafter proposes
 RANDOM_SHAPES = {"qwen3-0.6b": QWEN3_06B_SHAPE, "qwen3-8b": QWEN3_8B, "small": SMALL_SHAPE}
 
 
-def prompts(count: int, context_chars: int) -> list[str]:
-    """Repetitive prompts (what prompt lookup thrives on), one distinct opening per session."""
+def prompts(count: int, context_chars: int, document: int = 0) -> list[str]:
+    """Repetitive prompts (what prompt lookup thrives on), one distinct opening per session; another `document`
+    changes every opening (a random model continues each differently)."""
     body = PARAGRAPH * (context_chars // len(PARAGRAPH) + 1)
-    return [f"Session {i}. " + body[: context_chars] for i in range(count)]
+    opening = "Session {}. " if document == 0 else f"Document {document}, session {{}}. "
+    return [opening.format(i) + body[: context_chars] for i in range(count)]
 
 
 class FullWindow:

@@ -40,7 +40,31 @@ def test_smoke_run_reports_ttft_decode_rate_step_times_and_acceptance(tmp_path: 
     assert rows["none"]["speedup_vs_plain"] == 1
     assert rows["ngram"]["speedup_vs_plain"] > 0
     table = (tmp_path / "long_context_tiny.md").read_text()
-    assert run["command"] in table and "| 512 | ngram | - |" in table and "| 512 | none | - |" in table
+    assert run["command"] in table and "| 512 | ngram | - | 1 | 1 |" in table and "| 512 | none | - | 1 | 1 |" in table
+
+
+def test_documents_run_every_choice_on_each_and_take_medians_over_all(tmp_path: Path) -> None:
+    run_benchmark("long_context.py", "--shape", "tiny", "--contexts", "300", "--drafters", "ngram",
+                  "--tree-budgets", "3", "adaptive", "--documents", "2", "--max-new-tokens", "16",
+                  "--out-dir", str(tmp_path))
+    result = json.loads((tmp_path / "long_context_tiny.json").read_text())
+    assert result["settings"]["documents"] == 2
+    # the second document's runs take the choices in reverse order
+    assert [(r["budget"], r["document"], r["run"]) for r in result["rows"]] == [
+        ("3", 1, 1), ("adaptive", 1, 1), ("adaptive", 2, 1), ("3", 2, 1)]
+    table = (tmp_path / "long_context_tiny.md").read_text()
+    assert "| 300 | ngram | 3 | 2 | 1 |" in table
+    median = statistics.median(r["decode_tokens_per_s"] for r in result["rows"] if r["budget"] == "3")
+    assert f"| 300 | ngram | 3 | 2 | {median:.1f} | 1.00x |" in table  # medians over both documents
+
+
+def test_each_document_opens_every_session_differently(monkeypatch) -> None:
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from benchmarks.throughput import prompts
+
+    first, second = prompts(2, 200), prompts(2, 200, document=1)
+    assert first[0].startswith("Session 0. ") and first[1].startswith("Session 1. ")  # as before documents
+    assert len(set(first + second)) == 4 and second[1].startswith("Document 1, session 1. ")
 
 
 def test_tree_budgets_run_each_choice_on_one_stack_against_the_best_fixed(tmp_path: Path) -> None:
@@ -64,7 +88,7 @@ def test_tree_budgets_run_each_choice_on_one_stack_against_the_best_fixed(tmp_pa
                for b in ("3", "7", "adaptive")}
     best = max(medians["3"], medians["7"])
     table = (tmp_path / "long_context_tiny.md").read_text()
-    assert "| 300 | ngram | adaptive | 2 |" in table  # the second run's row
+    assert "| 300 | ngram | adaptive | 1 | 2 |" in table  # the second run's row (document 1)
     assert f"| 300 | ngram | adaptive | 2 | {medians['adaptive']:.1f} | {medians['adaptive'] / best:.2f}x |" in table
 
 
