@@ -43,8 +43,8 @@ def prompts(count: int, context_chars: int, document: int = 0) -> list[str]:
     """Repetitive prompts (what prompt lookup thrives on), one distinct opening per session; another `document`
     changes every opening (a random model continues each differently)."""
     body = PARAGRAPH * (context_chars // len(PARAGRAPH) + 1)
-    opening = "Session {}. " if document == 0 else f"Document {document}, session {{}}. "
-    return [opening.format(i) + body[: context_chars] for i in range(count)]
+    opening = f"Document {document}, session" if document else "Session"
+    return [f"{opening} {i}. " + body[: context_chars] for i in range(count)]
 
 
 class FullWindow:
