@@ -153,6 +153,9 @@ def build_ours(shape: dict, drafter_shape: dict, device: str) -> tuple[CausalLM,
     for name, param in [*ours.named_parameters(), *drafter.named_parameters()]:
         param.requires_grad_(False)
         param.fill_(1.0) if name.endswith("norm.weight") else param.normal_(std=0.02)
+    for module in ours.modules():
+        if getattr(module, "keep_fp32", False):  # NOTE: as the loader keeps them (an MoE router), not bf16
+            module.float()
     drafter.embed_tokens, drafter.lm_head = ours.model.embed_tokens, ours.lm_head
     return ours, drafter
 

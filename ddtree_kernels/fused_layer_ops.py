@@ -27,11 +27,18 @@ def _rms_norm_kernel(
         x = (x.to(tl.float32) + tl.load(delta_ptr + row * stride_d + cols, mask=ok, other=0.0).to(tl.float32))
         x = x.to(out_ptr.dtype.element_ty)
         tl.store(sum_ptr + row * stride_s + cols, x, mask=ok)
-    xf = x.to(tl.float32)
+    tl.store(out_ptr + row * stride_o + cols,
+             _normed(x.to(tl.float32), weight_ptr, cols, ok, num_cols, eps, out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _normed(xf, weight_ptr, cols, ok, num_cols, eps, dtype: tl.constexpr):
+    """RMSNorm of one row held in fp32 ([BLOCK], zeros past num_cols), rounded to `dtype` after the norm and after
+    the weight, as torch does."""
     rstd = tl.math.rsqrt(tl.sum(xf * xf, axis=0) / num_cols + eps)
-    normed = (xf * rstd).to(out_ptr.dtype.element_ty).to(tl.float32)
+    normed = (xf * rstd).to(dtype).to(tl.float32)
     weight = tl.load(weight_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + cols, (normed * weight).to(out_ptr.dtype.element_ty), mask=ok)
+    return (normed * weight).to(dtype)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -106,17 +113,54 @@ def _norm_rope_kernel(
 
 
 def norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor,
-              sin: torch.Tensor) -> torch.Tensor:
-    """`apply_rotary(RMSNorm(x) if weight is not None else x, cos, sin)` for x [N, H, D], cos/sin [N, D]."""
+              sin: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """`apply_rotary(RMSNorm(x) if weight is not None else x, cos, sin)` for x [N, H, D], cos/sin [N, D]; into
+    `out` (x's shape and dtype, D contiguous) when given."""
     num_tokens, num_heads, head_dim = x.shape
     _check_angles(x, cos, sin)
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if out is None:
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    elif out.shape != x.shape or out.dtype != x.dtype or out.stride(2) != 1:
+        raise ValueError("out must be x's shape and dtype with a contiguous last axis")
     if num_tokens:
         _norm_rope_kernel[(num_tokens,)](
             x, weight if weight is not None else x, cos, sin, out, eps, num_heads,
             x.stride(0), x.stride(1), cos.stride(0), out.stride(0), out.stride(1),
             HALF=head_dim // 2, HEADS_P2=triton.next_power_of_2(num_heads), NORM=weight is not None, num_warps=4,
         )
+    return out
+
+
+@triton.jit
+def _latent_entry_kernel(kv_ptr, weight_ptr, cos_ptr, sin_ptr, out_ptr, eps, stride_kn, stride_cn, stride_on,
+                         LATENT: tl.constexpr, LATENT_P2: tl.constexpr, HALF: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    kv, out = kv_ptr + token * stride_kn, out_ptr + token * stride_on
+    cols = tl.arange(0, LATENT_P2)
+    ok = cols < LATENT
+    latent = tl.load(kv + cols, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out + cols, _normed(latent, weight_ptr, cols, ok, LATENT, eps, out_ptr.dtype.element_ty), mask=ok)
+    _norm_rope_heads(kv + LATENT, 0, weight_ptr, eps, cos_ptr + token * stride_cn, sin_ptr + token * stride_cn,
+                     out + LATENT, 0, 1, HALF, 1, False)
+
+
+def latent_entry(kv: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """`modeling.ops.TorchRowOps.latent_entry` in one launch: an MLA layer's cache entries [N, C + R] from kv_a's
+    output (the RoPE columns as halves), the latent normalised and the RoPE key rotated, straight into `out` (the
+    tree scratch's rows, say) when given."""
+    num_tokens, width = kv.shape
+    rope = cos.shape[-1]
+    _check_angles(kv[:, None, -rope:], cos, sin)
+    if out is None:
+        out = torch.empty(kv.shape, dtype=kv.dtype, device=kv.device)
+    elif out.shape != kv.shape or out.dtype != kv.dtype or out.stride(1) != 1:
+        raise ValueError("out must be kv's shape and dtype with contiguous rows")
+    if num_tokens:
+        latent = width - rope
+        _latent_entry_kernel[(num_tokens,)](
+            kv, weight, cos, sin, out, eps, kv.stride(0), cos.stride(0), out.stride(0),
+            LATENT=latent, LATENT_P2=triton.next_power_of_2(latent), HALF=rope // 2, num_warps=_warps(latent))
     return out
 
 

@@ -30,9 +30,9 @@ def _best_of_groups(choice, member, experts, TWO: tl.constexpr):
 
 @triton.jit
 def _route_kernel(
-    logits_ptr, bias_ptr, ids_ptr, weights_ptr, stride_l, scale,
+    logits_ptr, bias_ptr, ids_ptr, weights_ptr, stride_l, scale, shared_expert,
     NUM_EXPERTS: tl.constexpr, EXPERTS_PAD: tl.constexpr, TOP_K: tl.constexpr, TOPK_PAD: tl.constexpr,
-    SIGMOID: tl.constexpr,
+    OUT_K: tl.constexpr, SIGMOID: tl.constexpr,
     HAS_BIAS: tl.constexpr, NUM_GROUPS: tl.constexpr, GROUPS_PAD: tl.constexpr, TOPK_GROUPS: tl.constexpr,
     GROUP_SUM_OF_TWO: tl.constexpr, NORM: tl.constexpr,
 ):
@@ -71,27 +71,33 @@ def _route_kernel(
         choice = tl.where(experts == best, float("-inf"), choice)
     if NORM:
         weights = weights / (tl.sum(weights, axis=0) + 1e-20)
-    tl.store(ids_ptr + token * TOP_K + picks, ids, mask=picks < TOP_K)
-    tl.store(weights_ptr + token * TOP_K + picks, weights * scale, mask=picks < TOP_K)
+    tl.store(ids_ptr + token * OUT_K + picks, ids, mask=picks < TOP_K)
+    tl.store(weights_ptr + token * OUT_K + picks, weights * scale, mask=picks < TOP_K)
+    if OUT_K > TOP_K:  # the shared expert's pair: weight 1, unscaled
+        tl.store(ids_ptr + token * OUT_K + TOP_K, shared_expert.to(tl.int64))
+        tl.store(weights_ptr + token * OUT_K + TOP_K, 1.0)
 
 
-def fused_route(logits: torch.Tensor, moe: MoEConfig,
-                correction_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """`modeling.moe.route` in one launch: logits [N, E] fp32 -> expert ids [N, k] int64, fp32 weights [N, k]."""
+def fused_route(logits: torch.Tensor, moe: MoEConfig, correction_bias: torch.Tensor | None = None,
+                shared_expert: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`modeling.moe.route` in one launch: logits [N, E] fp32 -> expert ids [N, k] int64, fp32 weights [N, k].
+    With `shared_expert`, one more pair per token after the k routed ones: that id with weight 1 (the shared expert
+    run as a stacked one, `modeling.moe.MoE.fuse_projections`): [N, k + 1] each."""
     if logits.dtype != torch.float32 or logits.dim() != 2 or logits.shape[1] != moe.num_experts:
         raise ValueError(f"logits must be fp32 [N, {moe.num_experts}]")
     if logits.stride(1) != 1:
         logits = logits.contiguous()
     num_tokens, k = logits.shape[0], moe.experts_per_token
-    ids = torch.empty(num_tokens, k, dtype=torch.int64, device=logits.device)
-    weights = torch.empty(num_tokens, k, dtype=torch.float32, device=logits.device)
+    out_k = k + (shared_expert is not None)
+    ids = torch.empty(num_tokens, out_k, dtype=torch.int64, device=logits.device)
+    weights = torch.empty(num_tokens, out_k, dtype=torch.float32, device=logits.device)
     grouped = moe.topk_method != "greedy" and moe.topk_groups < moe.num_groups
     if num_tokens:
         bias = correction_bias.float().contiguous() if correction_bias is not None else logits
         _route_kernel[(num_tokens,)](
-            logits, bias, ids, weights, logits.stride(0), moe.routed_scaling_factor,
+            logits, bias, ids, weights, logits.stride(0), moe.routed_scaling_factor, shared_expert or 0,
             NUM_EXPERTS=moe.num_experts, EXPERTS_PAD=triton.next_power_of_2(moe.num_experts), TOP_K=k,
-            TOPK_PAD=triton.next_power_of_2(k),
+            TOPK_PAD=triton.next_power_of_2(k), OUT_K=out_k,
             SIGMOID=moe.scoring == "sigmoid", HAS_BIAS=correction_bias is not None,
             NUM_GROUPS=moe.num_groups if grouped else 1, GROUPS_PAD=triton.next_power_of_2(moe.num_groups),
             TOPK_GROUPS=moe.topk_groups if grouped else 1, GROUP_SUM_OF_TWO=moe.topk_method == "noaux_tc",

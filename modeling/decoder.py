@@ -33,11 +33,12 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def fuse_projections(self) -> None:
-        """Q/K/V as one GEMM and gate/up as one where the layer has them (GQA attention, dense MLP), the routed
-        experts stacked for the fused MoE kernel, for CUDA serving; the CPU path stays op by op. Idempotent: a
-        second call must not move the weights, since captured CUDA graphs read them in place."""
+        """Q/K/V as one GEMM and gate/up as one where the layer has them (GQA attention, dense MLP), MLA's input
+        projections as one, the routed experts stacked for the fused MoE kernel, for CUDA serving; the CPU path
+        stays op by op. Idempotent: a second call must not move the weights, since captured CUDA graphs read them
+        in place."""
         for module in (self.self_attn, self.mlp):
-            if isinstance(module, (Attention, MLP, MoE)):
+            if isinstance(module, (Attention, MLAttention, MLP, MoE)):
                 module.fuse_projections()
 
     def forward(self, index: int, x: torch.Tensor, pending: torch.Tensor | None, cos: torch.Tensor,

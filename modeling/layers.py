@@ -37,6 +37,11 @@ class LayerAttention(Protocol):
         passed: MLA's differs from 1/sqrt(C)."""
         ...
 
+    def latent_rows(self, layer: int, num_tokens: int) -> torch.Tensor | None:
+        """MLA: where this layer's cache entries of the N tokens end up ([N, latent_dim]), so the layer can write
+        them there directly instead of `latent` copying them; None when the caller keeps no such buffer."""
+        ...
+
     def latent_expanded(self, layer: int, q_nope: torch.Tensor, q_rope: torch.Tensor, entries: torch.Tensor,
                         w_uk: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor | None:
         """MLA over per-head keys and values expanded from the entries through kv_b_proj's halves W_UK [H, nope, r]

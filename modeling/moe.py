@@ -77,13 +77,16 @@ class Router(nn.Module):
         bias = nn.Parameter(torch.zeros(moe.num_experts)) if moe.scoring == "sigmoid" else None
         self.e_score_correction_bias = bias
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x: [N, hidden] -> expert ids [N, k], fp32 weights [N, k]; the logits are computed in fp32."""
+    def forward(self, x: torch.Tensor, shared_expert: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [N, hidden] -> expert ids [N, k], fp32 weights [N, k]; the logits are computed in fp32. On CUDA,
+        `shared_expert` adds a pair per token to that expert with weight 1 ([N, k + 1] each)."""
         logits = F.linear(x.float(), self.weight.float())  # [N, E]
         if logits.is_cuda:
             from ddtree_kernels.moe_routing import fused_route  # NOTE: Triton loads only where it runs
 
-            return fused_route(logits, self.moe, self.e_score_correction_bias)
+            return fused_route(logits, self.moe, self.e_score_correction_bias, shared_expert)
+        if shared_expert is not None:
+            raise ValueError("the shared expert runs as a routed pair only on CUDA")
         return route(logits, self.moe, self.e_score_correction_bias)
 
 
@@ -168,16 +171,24 @@ class MoE(nn.Module):
         shared = moe.num_shared_experts * moe.intermediate_size
         self.shared_experts = expert_mlp(config, shared) if shared else None
         self.stacked: StackedExperts | None = None
+        self.shared_stacked = False  # the shared expert runs in the fused kernels as one more pair per token
 
     def fuse_projections(self) -> None:
-        """For CUDA serving: the held routed experts stacked for the fused kernel, the shared experts' gate/up as
-        one GEMM. Idempotent: a second call must not move the weights, since captured CUDA graphs read them."""
+        """For CUDA serving: the held routed experts stacked for the fused kernel. The shared expert joins the stack
+        (one more pair per token, weight 1, summed after the routed ones as the forward adds it) when it is one
+        expert's width and this rank holds every routed expert (each expert id is then its stack index); else its
+        gate/up run as one GEMM. Idempotent: a second call must not move the weights, since captured CUDA graphs
+        read them."""
         if self.stacked is None:
             held = [j for j, expert in enumerate(self.experts) if expert is not None]
             if held != list(range(held[0], held[-1] + 1)):
                 raise ValueError("a rank's routed experts must be consecutive")
-            self.stacked = StackedExperts([self.experts[j] for j in held], held[0])
-        if self.shared_experts is not None:
+            shared = self.shared_experts
+            self.shared_stacked = (shared is not None and len(held) == len(self.experts)
+                                   and shared.gate_proj.out_features == self.gate.moe.intermediate_size)
+            stack = [self.experts[j] for j in held] + ([shared] if self.shared_stacked else [])
+            self.stacked = StackedExperts(stack, held[0])
+        if self.shared_experts is not None and not self.shared_stacked:
             self.shared_experts.fuse_projections()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -186,6 +197,8 @@ class MoE(nn.Module):
 
     def expert_sum(self, x: torch.Tensor) -> torch.Tensor:
         """The routed experts' weighted outputs plus the shared experts', in fp32 [N, hidden]."""
+        if self.shared_stacked and x.is_cuda:
+            return self.stacked(x, *self.gate(x, shared_expert=len(self.experts)))
         ids, weights = self.gate(x)
         out = self.run_experts(x, ids, weights)
         if self.shared_experts is not None:

@@ -55,9 +55,21 @@ class TorchRowOps:
         return rank_top_k(values.float() - self.logsumexp(logits)[..., None], ids)
 
     def norm_rope(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor,
-                  sin: torch.Tensor) -> torch.Tensor:
-        """The per-head norm (none when weight is None) and RoPE; x: [N, H, D], cos and sin: [N, D]."""
-        return apply_rotary(x if weight is None else self.rms_norm(x, weight, eps), cos, sin)
+                  sin: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The per-head norm (none when weight is None) and RoPE; x: [N, H, D], cos and sin: [N, D]; written into
+        `out` ([N, H, D], any strides) when given."""
+        rotated = apply_rotary(x if weight is None else self.rms_norm(x, weight, eps), cos, sin)
+        return rotated if out is None else out.copy_(rotated)
+
+    def latent_entry(self, kv: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+        """MLA's cache entry of each token from kv_a_proj_with_mqa's output kv [N, C + R] (its R RoPE columns as
+        halves, cos and sin [N, R]): the C latent columns RMS-normalised by `weight`, the RoPE columns rotated ->
+        [N, C + R], written into `out` when given."""
+        rope = cos.shape[-1]
+        entry = torch.cat([self.rms_norm(kv[:, :-rope], weight, eps),
+                           self.norm_rope(kv[:, None, -rope:], None, 0.0, cos, sin)[:, 0]], dim=-1)
+        return entry if out is None else out.copy_(entry)
 
     def qkv_norm_rope(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: torch.Tensor | None,
                       k_weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor,
@@ -108,8 +120,12 @@ class TritonRowOps(TorchRowOps):
         return self.fused.add_rms_norm(x, delta, weight, eps)
 
     def norm_rope(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor,
-                  sin: torch.Tensor) -> torch.Tensor:
-        return self.fused.norm_rope(x, weight, eps, cos, sin)
+                  sin: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        return self.fused.norm_rope(x, weight, eps, cos, sin, out)
+
+    def latent_entry(self, kv: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+        return self.fused.latent_entry(kv, weight, eps, cos, sin, out)
 
     def qkv_norm_rope(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: torch.Tensor | None,
                       k_weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor,

@@ -104,6 +104,9 @@ class CausalAttention:
     def kv_buffers(self, layer: int, num_tokens: int) -> None:
         return None
 
+    def latent_rows(self, layer: int, num_tokens: int) -> None:
+        return None
+
     def latent_expanded(self, *args) -> None:
         return None
 

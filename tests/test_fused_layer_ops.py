@@ -53,6 +53,34 @@ def test_norm_rope(dtype: torch.dtype, with_norm: bool) -> None:
     cos, sin = (torch.cat([f(angles)] * 2, -1).to(DEVICE, dtype) for f in (torch.cos, torch.sin))
     expected = apply_rotary(torch_norm(x, weight, 1e-6) if with_norm else x, cos, sin)
     close(fused.norm_rope(x, weight, 1e-6, cos, sin), expected)
+    into = torch.zeros(heads, tokens, dim + 4, device=DEVICE, dtype=dtype)  # head-major rows, as MLA's q
+    written = fused.norm_rope(x, weight, 1e-6, cos, sin, out=into.transpose(0, 1)[..., 4:])
+    assert written.data_ptr() == into[0, 0, 4].data_ptr() and not into[..., :4].any()
+    close(written, expected)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("latent, rope", [(512, 64), (24, 16)])
+def test_latent_entry_into_the_given_rows(dtype: torch.dtype, latent: int, rope: int) -> None:
+    """An MLA entry: the latent normalised, the RoPE key rotated, written straight into the rows given (a strided
+    slice of kv_a's fused output in, one layer's scratch rows out)."""
+    from modeling.ops import TorchRowOps
+
+    gen = torch.Generator().manual_seed(latent)
+    tokens = 6
+    packed = torch.randn(tokens, 40 + latent + rope, generator=gen).to(DEVICE, dtype)
+    kv = packed[:, 40:]  # after the query's columns of the fused projection
+    weight = (1 + torch.randn(latent, generator=gen) / 4).to(DEVICE, dtype)
+    angles = torch.rand(tokens, rope // 2, generator=gen) * 50
+    cos, sin = (torch.cat([f(angles)] * 2, -1).to(DEVICE, dtype) for f in (torch.cos, torch.sin))
+    expected = torch.cat([torch_norm(kv[:, :latent], weight, 1e-6),
+                          apply_rotary(kv[:, None, latent:], cos, sin)[:, 0]], dim=-1)
+    scratch = torch.zeros(2, tokens + 3, 1, latent + rope, device=DEVICE, dtype=dtype)
+    rows = scratch[1, :tokens, 0]
+    assert fused.latent_entry(kv, weight, 1e-6, cos, sin, rows).data_ptr() == rows.data_ptr()
+    close(rows, expected)
+    assert not scratch[0].any() and not scratch[1, tokens:].any()
+    close(TorchRowOps().latent_entry(kv.cpu(), weight.cpu(), 1e-6, cos.cpu(), sin.cpu()), expected.cpu())
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

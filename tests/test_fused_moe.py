@@ -167,6 +167,22 @@ def test_stacking_keeps_names_values_and_memory() -> None:
     assert layer.experts[2].up_proj.weight.data_ptr() == stacked[2, 16:].data_ptr()  # views, not copies
 
 
+def test_the_shared_expert_joins_the_stack_only_whole_beside_every_expert() -> None:
+    """Stacked after the routed experts (views, as they are) when this rank holds every routed expert and the
+    shared expert is one expert wide; the CPU path still adds it on its own, unchanged."""
+    layer = moe_layer(hidden=32, inter=16, experts=4, top_k=2, dtype=torch.float32)
+    x = torch.randn(6, 32, device=DEVICE)
+    want = layer.expert_sum(x)
+    layer.fuse_projections()
+    assert layer.shared_stacked and layer.stacked.w13.shape[0] == 5
+    assert layer.shared_experts.down_proj.weight.data_ptr() == layer.stacked.w2[4].data_ptr()
+    torch.testing.assert_close(layer.expert_sum(x), want, atol=1e-5, rtol=1e-5)
+    part = moe_layer(hidden=32, inter=16, experts=4, top_k=2, dtype=torch.float32)
+    part.experts[3] = None  # a tensor-parallel rank's experts 0..2
+    part.fuse_projections()
+    assert not part.shared_stacked and part.stacked.w13.shape[0] == 3
+
+
 def test_uneven_expert_ranges_are_refused() -> None:
     layer = moe_layer(hidden=32, inter=16, experts=4, top_k=2, dtype=torch.float32)
     layer.experts[1] = None
@@ -183,6 +199,20 @@ GPU_SHAPES = [(2048, 1536, 64, 4), (2048, 1408, 64, 6)]
 @pytest.mark.parametrize("num_tokens", [1, 16, 64, 256])
 def test_fused_moe_gpu(shape, num_tokens: int) -> None:
     check_fused(moe_layer(*shape, dtype=torch.bfloat16), num_tokens, torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", GPU_SHAPES)
+@pytest.mark.parametrize("num_tokens", [1, 16, 256, 4096])
+def test_the_stacked_shared_expert_on_the_gpu(shape, num_tokens: int) -> None:
+    """The whole layer with the shared expert as one more fused pair per token (4096 tokens: the grouped GEMM
+    where it runs) against the torch loop plus the shared MLP."""
+    layer = moe_layer(*shape, dtype=torch.bfloat16)
+    x = torch.randn(num_tokens, shape[0], device=DEVICE, dtype=torch.bfloat16)
+    want = layer.expert_sum(x)
+    layer.fuse_projections()
+    assert layer.shared_stacked
+    torch.testing.assert_close(layer.expert_sum(x), want, atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.gpu

@@ -24,9 +24,10 @@ pytestmark = [pytest.mark.filterwarnings("ignore:invalid value encountered:Runti
 
 
 def latent_case(lens: list[int], trees: list[int], heads: int, lora: int, rope: int, page_size: int,
-                dtype: torch.dtype, seed: int, poison_stale: bool = False) -> dict:
+                dtype: torch.dtype, seed: int, poison_stale: bool = False, head_major: bool = False) -> dict:
     """Arguments of `latent_verify_attention_reference` for sessions with prefix `lens` and tree sizes `trees`;
-    with `poison_stale`, every page slot past a sequence's prefix holds NaN (stale slots must never be read)."""
+    with `poison_stale`, every page slot past a sequence's prefix holds NaN (stale slots must never be read); with
+    `head_major`, q [N, H, C] is laid out head by head, as `modeling.mla.MLAttention` builds it."""
     gen = torch.Generator().manual_seed(seed)
     pages, _, tables = paged_kv(lens, page_size, 1, lora + rope, dtype, gen)
     if poison_stale:
@@ -37,6 +38,8 @@ def latent_case(lens: list[int], trees: list[int], heads: int, lora: int, rope: 
         pages.view(-1, lora + rope)[~used] = float("nan")
     num_tokens = sum(trees)
     q = (torch.randn(num_tokens, heads, lora + rope, generator=gen) * 0.3).to(dtype)
+    if head_major:
+        q = q.transpose(0, 1).contiguous().transpose(0, 1)
     scratch = torch.randn(num_tokens + 3, 1, lora + rope, generator=gen).to(dtype)  # the engine's [N, 1, C] rows
     words = max(1, (max(trees) + 31) // 32)
     masks = [pack_tree_mask(random_tree_mask(t, gen)) for t in trees]
@@ -85,6 +88,14 @@ def test_one_launch_shape_serves_shorter_prefixes_interpreter():
     lens, trees = [70, 3], [4, 2]
     case = latent_case(lens, trees, 2, 16, 8, 16, torch.float32, seed=5)
     check_latent(case, lens, trees, small(), max_prefix_len=4096)
+
+
+@cpu_only
+def test_head_major_queries_interpreter():
+    lens, trees = [37, 100], [5, 3]
+    case = latent_case(lens, trees, 4, 32, 8, 16, torch.float16, seed=9, poison_stale=True, head_major=True)
+    assert not case["q"].is_contiguous()
+    check_latent(case, lens, trees, small())
 
 
 @cpu_only
@@ -137,6 +148,15 @@ def test_latent_verify_gpu(lens, trees, heads, page_size, dtype, kernel):
     if kernel == "default" and torch.cuda.get_device_capability()[0] == 9:
         assert latent_prefix_sm90.supports(case["q"], 512, rows) == (rows >= 64)
     check_latent(case, lens, trees, default_latent_config(rows, 512) if kernel == "triton" else None)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lens,trees,heads,page_size", GPU_CASES[:2])
+def test_head_major_queries_gpu(lens, trees, heads, page_size):
+    """The layout the MLA layer passes (q head by head) through the warpgroup-MMA prefix and the tree kernel."""
+    case = latent_case(lens, trees, heads, 512, 64, page_size, torch.bfloat16, seed=11, poison_stale=True,
+                       head_major=True)
+    check_latent(case, lens, trees)
 
 
 @pytest.mark.gpu

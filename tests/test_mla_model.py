@@ -96,19 +96,30 @@ def test_logits_and_hidden_states_match_transformers(case: str, rope: str, tmp_p
     torch.testing.assert_close(features, expected_features, atol=1e-4, rtol=1e-4)
 
 
-def test_fusing_leaves_mla_and_moe_layers_alone(tmp_path) -> None:
-    """The dense layer's gate/up fuse; MLA attention and MoE layers have nothing to fuse, and outputs hold."""
-    config_cls, model_cls, extra = CASES["deepseek_v3"]
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_fusing_keeps_the_outputs(case: str, tmp_path) -> None:
+    """What serving fuses (a dense layer's gate/up, MLA's input projections with their RoPE rows de-interleaved,
+    the stacked experts) leaves the outputs as they were; a second fuse moves nothing."""
+    config_cls, model_cls, extra = CASES[case]
     random_reference(config_cls, model_cls, extra, None).save_pretrained(tmp_path)
     ours = load_causal_lm(tmp_path, dtype="float32")
-    ids, positions = torch.randint(0, SHAPE["vocab_size"], (9,)), torch.arange(9)
+    ids, positions = torch.randint(0, SHAPE["vocab_size"], (9,)), torch.arange(9) + 50
     attend = CausalAttention(ours.config)
+    attention = ours.model.layers[-1].self_attn
     with torch.no_grad():
         before = ours(ids, positions, attend)[0]
+        unfused_kv = attention.kv_a_proj_with_mqa(torch.ones(1, SHAPE["hidden_size"]))
+        ours.fuse_projections()
+        fused_weight = attention.q_kv_a.weight
         ours.fuse_projections()
         after = ours(ids, positions, attend)[0]
-    assert ours.model.layers[0].mlp.gate_up is not None
-    torch.testing.assert_close(after, before)
+        fused_kv = attention.kv_a_proj_with_mqa(torch.ones(1, SHAPE["hidden_size"]))
+    assert attention.q_kv_a.weight is fused_weight and attention.rope_halves
+    rope = SHAPE["qk_rope_head_dim"]
+    expected_kv = unfused_kv if extra.get("rope_interleave") is False else torch.cat(
+        [unfused_kv[:, :-rope], unfused_kv[:, -rope::2], unfused_kv[:, 1 - rope::2]], dim=-1)
+    torch.testing.assert_close(fused_kv, expected_kv, atol=1e-6, rtol=1e-5)  # the rows reordered, no more
+    torch.testing.assert_close(after, before, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("config_cls, model_cls", [V2[:2], V3[:2], GLM[:2]], ids=["v2", "v3", "glm"])

@@ -58,6 +58,18 @@ def test_ties_go_to_the_lower_expert_and_group(name: str) -> None:
 
 
 @cpu_only
+def test_the_shared_expert_follows_the_routed_pairs() -> None:
+    """With `shared_expert`, each token's routed pairs are unchanged and one more follows: that id, weight 1."""
+    moe, bias = routing("glm-4.7-flash")
+    logits = torch.randn(5, moe.num_experts, generator=torch.Generator().manual_seed(4)) * 3
+    routed_ids, routed_weights = fused_route(logits, moe, bias)
+    ids, weights = fused_route(logits, moe, bias, shared_expert=moe.num_experts)
+    assert ids.shape == weights.shape == (5, moe.experts_per_token + 1)
+    assert torch.equal(ids[:, :-1], routed_ids) and torch.equal(weights[:, :-1], routed_weights)
+    assert ids[:, -1].tolist() == [moe.num_experts] * 5 and weights[:, -1].tolist() == [1.0] * 5
+
+
+@cpu_only
 def test_no_tokens_and_bad_logits() -> None:
     moe, bias = routing("glm-4.7-flash")
     ids, weights = fused_route(torch.zeros(0, moe.num_experts), moe, bias)

@@ -120,11 +120,14 @@ class PagedVerifyAttention:
             return None
         return self.scratch.k[layer, :num_tokens], self.scratch.v[layer, :num_tokens]
 
+    def latent_rows(self, layer: int, num_tokens: int) -> torch.Tensor:
+        return self.scratch.k[layer, :num_tokens, 0]
+
     def latent(self, layer: int, q: torch.Tensor, entries: torch.Tensor) -> torch.Tensor:
-        n = q.shape[0]
-        self.scratch.k[layer, :n, 0] = entries
-        return self.backend.verify_latent(q, self.kv.k[layer], self.scratch.k[layer, :n, 0], self.batch,
-                                          self.sm_scale, self.value_dim)
+        rows = self.latent_rows(layer, q.shape[0])
+        if entries.data_ptr() != rows.data_ptr():  # NOTE: not written in place (a caller without latent_rows)
+            rows.copy_(entries)
+        return self.backend.verify_latent(q, self.kv.k[layer], rows, self.batch, self.sm_scale, self.value_dim)
 
     def latent_expanded(self, *args) -> None:
         return None  # NOTE: verify blocks attend in absorbed form
@@ -149,6 +152,9 @@ class PagedPrefillAttention(PagedVerifyAttention):
     layer, rather than through the tree scratch and a commit: the scratch need not hold a chunk, however long."""
 
     def kv_buffers(self, layer: int, num_tokens: int) -> None:
+        return None
+
+    def latent_rows(self, layer: int, num_tokens: int) -> None:
         return None
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
