@@ -8,7 +8,7 @@ distinct opening per session), so that n-gram drafting hits. Writes long_context
 
     python benchmarks/long_context.py --shape qwen3-8b [--contexts 32k 128k 185k] [--drafters ngram dflash none]
         [--sessions 1] [--max-new-tokens 256] [--tree-budget 15] [--budget-policy fixed|adaptive]
-        [--tree-budgets 7 15 31 63 adaptive] [--repeats 3] [--documents 3]
+        [--tree-budgets 7 15 31 63 adaptive] [--repeats 3] [--documents 3] [--shared-prefill]
         [--verifier-arg "--prefill-chunk 128"] [--kv-budget-mb MB] [--checkpoint-dir DIR] [--out-dir DIR]
     python benchmarks/long_context.py --shape tiny --contexts 512 --drafters ngram none   # CPU smoke run
 
@@ -21,7 +21,9 @@ built-in tiny model and its DFlash drafter, on the CPU.
 `--tree-budgets` runs every context once per choice on the same stack (a speculative drafter's requests pin the
 budget, or leave it to the verifier's adaptive policy), and the table sets each against the best fixed one;
 `--repeats N` runs each N times (every other time in reverse order) and compares their medians; `--documents N`
-runs each on N documents (the sessions' openings differ), so that a choice's median is not one text's luck.
+runs each on N documents (the sessions' openings differ), so that a choice's median is not one text's luck;
+`--shared-prefill` prefills each document once and runs every choice on forks of its sessions, so that a run
+costs its decode only (at 128k a prefill is ~12 s, a 384-token decode ~2 s).
 
 A run too long for one sitting splits by drafter (or context): later parts add their rows with `--merge`, e.g.
     python benchmarks/long_context.py --shape qwen3-8b --drafters none ngram
@@ -177,14 +179,47 @@ async def generate(client: AsyncClient, text: str, max_new_tokens: int, tree_bud
     return stream
 
 
-async def run_sessions(gateway: str, texts: list[str], max_new_tokens: int,
-                       tree_budget: int = 0) -> tuple[list[Stream], float]:
-    """`tree_budget` pinned by every request (0: the verifier's policy)."""
+async def run_sessions(gateway: str, texts: list[str], max_new_tokens: int, tree_budget: int = 0,
+                       parents: list[str] | None = None) -> tuple[list[Stream], float]:
+    """`tree_budget` pinned by every request (0: the verifier's policy). With `parents` (sessions that hold the
+    texts' prefills, `prefill_sessions`), each generation runs on a fork of its parent instead, released after it."""
     client = AsyncClient(gateway, timeout=3600)
     try:
         started = time.perf_counter()
-        streams = await asyncio.gather(*(generate(client, text, max_new_tokens, tree_budget) for text in texts))
+        if parents is None:
+            runs = [generate(client, text, max_new_tokens, tree_budget) for text in texts]
+        else:
+            runs = [on_fork(client, parent, max_new_tokens, tree_budget) for parent in parents]
+        streams = await asyncio.gather(*runs)
         return list(streams), time.perf_counter() - started
+    finally:
+        await client.close()
+
+
+async def on_fork(client: AsyncClient, parent: str, max_new_tokens: int, tree_budget: int) -> Stream:
+    """A generation on a fork of `parent` (its KV prefix shared copy-on-write): the parent stays as it was."""
+    fork = (await client.fork_session(parent)).session
+    try:
+        return await generate(client, "", max_new_tokens, tree_budget, session=fork)
+    finally:
+        await client.release_session(fork)
+
+
+async def prefill_sessions(gateway: str, texts: list[str]) -> tuple[list[str], float]:
+    """Sessions holding the texts' prefills, made one after another, and their mean prefill time (ms)."""
+    client = AsyncClient(gateway, timeout=3600)
+    try:
+        replies = [await client.create_session(text) for text in texts]
+        return [reply.session.session for reply in replies], statistics.mean(reply.prefill_ms for reply in replies)
+    finally:
+        await client.close()
+
+
+async def release_sessions(gateway: str, handles: list[str]) -> None:
+    client = AsyncClient(gateway, timeout=60)
+    try:
+        for handle in handles:
+            await client.release_session(handle)
     finally:
         await client.close()
 
@@ -260,6 +295,7 @@ class StackPlan:
     texts: dict[int, list[list[str]]]  # per context, per document: the sessions' prompts
     budgets: dict[str, int]  # a speculative drafter's runs per context: name -> the requests' pinned budget
     repeats: int  # runs of each budget per context and document, every other one in reverse order
+    shared_prefill: bool  # each document prefilled once, every run on forks of its sessions
     max_new_tokens: int
     start_timeout_s: float
     log_dir: Path | None
@@ -285,16 +321,24 @@ def measure(drafter: str, plan: StackPlan) -> tuple[list[dict], float]:
         rows = []
         budgets = {"-": 0} if drafter == "none" else plan.budgets
         for context, documents in plan.texts.items():
-            runs = [(document, texts, repeat) for document, texts in enumerate(documents, 1)
-                    for repeat in range(1, plan.repeats + 1)]
-            for turn, (document, texts, repeat) in enumerate(runs):
-                for budget, pin in (reversed if turn % 2 else list)(budgets.items()):
-                    before = verifier_counters(metrics_port)
-                    streams, duration_s = asyncio.run(run_sessions(gateway, texts, plan.max_new_tokens, pin))
-                    rows.append({**context_row(drafter, context, budget, streams, duration_s, before,
-                                               verifier_counters(metrics_port)), "document": document,
-                                 "run": repeat})
-                    print(json.dumps(rows[-1]), flush=True)
+            turn = 0
+            for document, texts in enumerate(documents, 1):
+                parents, prefill_ms = (asyncio.run(prefill_sessions(gateway, texts)) if plan.shared_prefill
+                                       else (None, None))
+                try:
+                    for repeat in range(1, plan.repeats + 1):
+                        for budget, pin in (reversed if turn % 2 else list)(budgets.items()):
+                            before = verifier_counters(metrics_port)
+                            streams, duration_s = asyncio.run(run_sessions(gateway, texts, plan.max_new_tokens, pin,
+                                                                           parents))
+                            rows.append({**context_row(drafter, context, budget, streams, duration_s, before,
+                                                       verifier_counters(metrics_port)), "document": document,
+                                         "run": repeat, **({"document_prefill_ms": prefill_ms} if parents else {})})
+                            print(json.dumps(rows[-1]), flush=True)
+                        turn += 1
+                finally:
+                    if parents:
+                        asyncio.run(release_sessions(gateway, parents))
         return rows, start_s
     finally:
         stack.stop()
@@ -381,10 +425,13 @@ def markdown(result: dict) -> str:
                      f"{cell(r.get('drafter_compute_ms'), 2)} | {cell(r.get('seed_ms'))} | "
                      f"{cell(r['mean_acceptance_length'], 2)} | "
                      f"{cell(r.get('mean_tree_budget'))} | {r['draft_misses']} |")
-    lines += ["", "TTFT: request to the first token at the client (the prefill, streamed as PrefillProgress messages "
-              "before it; concurrent sessions queue behind each other's prefills). Decode tok/s: a session's tokens "
-              "after the first over the time from its first chunk to its last; all sessions: their sum; vs plain: "
-              "per session, against drafter none at the same context; vs best fixed budget: against the fastest "
+    shared = ("With --shared-prefill each document's sessions were prefilled once and every run generated on forks "
+              "of them: TTFT is a fork's first step (the prefills' means are the JSON's document_prefill_ms). "
+              if settings.get("shared_prefill") else "")
+    lines += ["", shared + "TTFT: request to the first token at the client (the prefill, streamed as PrefillProgress "
+              "messages before it; concurrent sessions queue behind each other's prefills). Decode tok/s: a session's "
+              "tokens after the first over the time from its first chunk to its last; all sessions: their sum; vs "
+              "plain: per session, against drafter none at the same context; vs best fixed budget: against the fastest "
               "pinned budget of the same drafter and context (issue 23's adaptive target: >= 0.95x). Budget: the "
               "tree budget the requests pinned, adaptive (the verifier's policy chose per step) or - (the verifier's "
               "--tree-budget, or plain decoding). ms / step: that time over the steps after "
@@ -439,6 +486,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="documents per context (the sessions' openings differ); every choice runs on each, "
                              "and the summary's medians are over all of them: with random weights the text, and "
                              "so the acceptance, changes with the document")
+    parser.add_argument("--shared-prefill", action="store_true",
+                        help="prefill each document's prompts once (CreateSession) and run every choice on forks of "
+                             "them (ForkSession): a run then costs its decode only, so many documents fit one call; "
+                             "TTFT is then a fork's first step, the prefill the JSON's document_prefill_ms")
     parser.add_argument("--kv-budget-mb", type=float,
                         help="the verifier's KV cache (default: --sessions sessions of the longest context and its "
                              "new tokens; qwen3-8b at 185k: ~27 GB a session)")
@@ -488,7 +539,8 @@ def main() -> None:
                 "budget_policy": args.budget_policy, "page_size": args.page_size, "verifier_args": extra_verifier,
                 "drafter_args": extra_drafter, **({"tree_budgets": args.tree_budgets} if args.tree_budgets else {}),
                 **({"repeats": args.repeats} if args.repeats > 1 else {}),
-                **({"documents": args.documents} if args.documents > 1 else {})}
+                **({"documents": args.documents} if args.documents > 1 else {}),
+                **({"shared_prefill": True} if args.shared_prefill else {})}
     json_path, md_path = (args.out_dir / f"long_context_{args.shape}.{ext}" for ext in ("json", "md"))
     earlier = None
     if args.merge:  # NOTE: checked before the (long) measurements, not after them
@@ -506,11 +558,14 @@ def main() -> None:
         parser.error(f"the longest context, its new tokens and a step's tree ({max_context} tokens) exceed the "
                      f"{args.shape} model's {model_limit} positions")
     kv_mb = args.kv_budget_mb or kv_budget_mb(found.target, max_context, args.sessions, args.page_size)
+    if args.shared_prefill and not args.kv_budget_mb:  # NOTE: the forks' own pages beside their parents'
+        kv_mb += kv_budget_mb(found.target, args.max_new_tokens + args.tree_budget + 2 * args.page_size,
+                              args.sessions, args.page_size)
     plan = StackPlan(found, ("--tree-budget", str(args.tree_budget), "--max-context", str(max_context),
                              "--kv-budget-mb", f"{kv_mb:.1f}", "--page-size", str(args.page_size), *extra_verifier),
                      tuple(extra_drafter), {context: [[text[:context] for text in prompts(args.sessions, context, d)]
                                                       for d in range(args.documents)] for context in args.contexts},
-                     pins, args.repeats, args.max_new_tokens, args.start_timeout_s, args.log_dir)
+                     pins, args.repeats, args.shared_prefill, args.max_new_tokens, args.start_timeout_s, args.log_dir)
     rows, start_s = [], {}
     for drafter in args.drafters:
         drafter_rows, start_s[drafter] = measure(drafter, plan)

@@ -58,6 +58,25 @@ def test_documents_run_every_choice_on_each_and_take_medians_over_all(tmp_path: 
     assert f"| 300 | ngram | 3 | 2 | {median:.1f} | 1.00x |" in table  # medians over both documents
 
 
+def test_shared_prefill_runs_every_choice_on_forks_of_one_prefill(tmp_path: Path) -> None:
+    """Each document's sessions prefilled once; every run generates on forks of them (no prefill of its own): the
+    same rows, in the same order, as without."""
+    run_benchmark("long_context.py", "--shape", "tiny", "--contexts", "300", "--drafters", "ngram",
+                  "--tree-budgets", "3", "adaptive", "--documents", "2", "--max-new-tokens", "16", "--sessions", "2",
+                  "--shared-prefill", "--out-dir", str(tmp_path))
+    result = json.loads((tmp_path / "long_context_tiny.json").read_text())
+    assert result["settings"]["shared_prefill"] is True
+    assert [(r["budget"], r["document"]) for r in result["rows"]] == [
+        ("3", 1), ("adaptive", 1), ("adaptive", 2), ("3", 2)]
+    for row in result["rows"]:
+        assert row["prompt_tokens"] == 0 and row["prefill_messages"] == 0  # the forks prefill nothing
+        assert row["document_prefill_ms"] > 0 and row["output_tokens"] == 2 * 16 and row["steps"] > 0
+    first_document = [r for r in result["rows"] if r["document"] == 1]
+    assert first_document[0]["document_prefill_ms"] == first_document[1]["document_prefill_ms"]  # one prefill
+    assert "--shared-prefill each document's sessions were prefilled once" in (
+        tmp_path / "long_context_tiny.md").read_text()
+
+
 def test_each_document_opens_every_session_differently(monkeypatch) -> None:
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     from benchmarks.throughput import prompts
