@@ -1,10 +1,11 @@
 """Concurrent prefills take the engine in turns, shortest remaining first: the order itself, cancellations, and
-through the verifier service (prompts prefilled one after another rather than chunk by chunk in rotation, and
-still exact)."""
+through the verifier service (prompts prefilled one after another rather than chunk by chunk in rotation, decode
+bursts cut short while a prefill is under way, and still exact)."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 
 from tests.engine_helpers import GREEDY, make_engine, plain_generate
 from verifier_service.metrics import VerifierMetrics
@@ -99,3 +100,45 @@ def test_concurrent_prompts_prefill_one_after_another_and_stay_exact(tiny_target
     assert max(waiting) >= 1 and waiting[-1] == 0  # the second prompt waits while the first's chunks run
     for name, tokens in outputs.items():
         assert tokens == plain_generate(engine, prompts[name])
+
+
+def test_decode_bursts_hold_a_prefill_under_way_up_about_one_chunks_time_and_stay_exact(tiny_target) -> None:
+    """A prompt of 4 chunks arrives while another generation decodes in bursts of 8: while its prefill is under way
+    the loop asks for bursts of one step (each step made to take 30 ms, a chunk of the tiny model a few: the service
+    has timed the first prompt's chunk), before and after it for all 8; both outputs equal plain greedy decoding."""
+    engine = make_engine(tiny_target, decode_burst_steps=8)
+    service = VerifierService(engine, None, VerifierMetrics())
+    asked: list[tuple[bool, int]] = []  # (a prefill under way, steps asked) per burst
+    burst_length, decode = engine.burst_length, engine.decode
+
+    def recorded_burst_length(session_ids: list[str], wanted: int) -> int:
+        asked.append((service.prefill_turns.under_way, wanted))
+        return burst_length(session_ids, wanted)
+
+    def slow_decode(session_ids: list[str], steps: int):
+        time.sleep(0.03 * steps)
+        return decode(session_ids, steps)
+
+    engine.burst_length, engine.decode = recorded_burst_length, slow_decode
+    prompts = [[7] + [1 + i % 250 for i in range(23)], [8] + [1 + i % 250 for i in range(4 * 24 - 1)]]
+
+    async def main() -> list[list[int]]:
+        await service.start()
+
+        async def run(prompt: list[int], after_bursts: int = 0) -> list[int]:
+            while len(asked) < after_bursts:
+                await asyncio.sleep(0.001)
+            session = await service.create_session(prompt)
+            return [t async for e in service.generate(session.session_id, [], GREEDY, False)
+                    if isinstance(e, StepEvent) for t in e.result.emitted]
+
+        outputs = await asyncio.gather(run(prompts[0]), run(prompts[1], after_bursts=1))
+        await service.stop()
+        return outputs
+
+    outputs = asyncio.run(main())
+    assert service.step_costs.prefill_chunk_s() is not None
+    during = {wanted for under_way, wanted in asked if under_way}
+    assert during == {1} and 8 in {wanted for under_way, wanted in asked if not under_way}
+    for prompt, tokens in zip(prompts, outputs):
+        assert tokens == plain_generate(engine, prompt)

@@ -57,6 +57,7 @@ class FakeEngine:
     step_seconds: float = 0.0  # how long each step keeps the engine (the GPU) busy
     spans: list[tuple[float, float]] = field(default_factory=list)  # each step's (start, end)
     bursts_queued: int = 0  # bursts the loop has asked for (burst_length is asked as each is queued)
+    bursts_wanted: list[tuple[int, int]] = field(default_factory=list)  # (steps done by then, steps wanted) each
 
     def __post_init__(self) -> None:
         self.sessions = {sid: FakeSession(sid) for sid in self.lengths}
@@ -81,6 +82,7 @@ class FakeEngine:
         if self.unburstable in session_ids:
             raise SessionNotFound(f"session {self.unburstable}: released")
         self.bursts_queued += 1
+        self.bursts_wanted.append((self.done[session_ids[0]], wanted))
         return wanted
 
     def decode(self, session_ids: list[str], steps: int) -> list[StepResult]:
@@ -113,13 +115,13 @@ class ChainDrafters(OpenDrafters):
 
 
 def run_loop(engine: FakeEngine, drafters: ChainDrafters | None, consume, cohorts: int = 1,
-             costs: StepCosts | None = None) -> VerifierMetrics:
+             costs: StepCosts | None = None, prefilling=lambda: False) -> VerifierMetrics:
     """Start a loop over `engine`, run `consume(loop)`, stop the loop; returns its metrics."""
     metrics = VerifierMetrics()
 
     async def main() -> None:
         worker = EngineWorker()
-        loop = StepLoop(engine, worker, drafters, metrics, costs or StepCosts(), cohorts)
+        loop = StepLoop(engine, worker, drafters, metrics, costs or StepCosts(), cohorts, prefilling)
         loop.start()
         try:
             await consume(loop)
@@ -601,6 +603,29 @@ def test_the_next_burst_is_queued_before_the_last_ones_events_go_out() -> None:
         assert [event.step for event in held.events] == list(range(6)) and len(late.events) == 3
 
     run_loop(engine, None, consume)
+
+
+def test_while_a_prefill_is_under_way_a_burst_takes_about_one_of_its_chunks_time() -> None:
+    """While a prefill is under way, the loop asks for bursts of the steps that cost about one of its chunks (the
+    chunk queued behind a burst then waits about its own time): one before a chunk was measured, three where a
+    chunk costs 3.5 steps; with no prefill under way, every step wanted."""
+    engine = FakeEngine({"a": 30, "b": 30}, EngineConfig(decode_burst_steps=8))
+    costs = StepCosts()
+    costs.verify.estimate = lambda rows, context: 0.010  # NOTE: a step of the two sessions costs 10 ms
+
+    def prefilling() -> bool:
+        done = engine.done["a"]
+        if done >= 10 and costs.prefill_chunk_s() is None:
+            costs.observe_prefill_chunk(0.035)
+        return done < 20
+
+    async def consume(loop: StepLoop) -> None:
+        await asyncio.gather(read_all(loop, engine.sessions["a"], 0), read_all(loop, engine.sessions["b"], 0))
+
+    run_loop(engine, None, consume, costs=costs, prefilling=prefilling)
+    expected = [(done, 1 if done < 10 else 3 if done < 20 else 8) for done, _ in engine.bursts_wanted]
+    assert engine.bursts_wanted == expected
+    assert {wanted for _, wanted in expected} == {1, 3, 8}
 
 
 class NeverPays:

@@ -7,10 +7,13 @@ commit) may still run, and waiting for them would take the next step's host work
 from __future__ import annotations
 
 import collections
+import time
 from collections.abc import Callable
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import torch
+
+T = TypeVar("T")
 
 
 class TimingEvent(Protocol):
@@ -51,6 +54,15 @@ class GpuClock:
         end = self.new_event()
         end.record()
         self.pending.append((start, end))
+
+    def timed(self, fn: Callable[..., T], *args) -> tuple[T, float]:
+        """fn(*args) and the seconds it ran on the host (on the engine thread: not counting its wait behind queued
+        work), its GPU work between a pair of this clock's events."""
+        started = time.perf_counter()
+        mark = self.start()
+        result = fn(*args)
+        self.stop(mark)
+        return result, time.perf_counter() - started
 
     def finished(self) -> list[float]:
         """The GPU seconds of the calls whose work has ended since the last look, oldest first."""

@@ -36,6 +36,11 @@ class PrefillTurns:
             self._pass_on()
 
     @property
+    def under_way(self) -> bool:
+        """Whether a prefill holds the turn: its next chunk goes to the engine as soon as the last one ends."""
+        return self._held
+
+    @property
     def waiting(self) -> int:
         """Prefills waiting for a turn."""
         return sum(not grant.done() for *_, grant in self._waiting)

@@ -21,6 +21,7 @@ from verifier_service.engine.prefill import Prefill
 from verifier_service.engine.sampling import SamplingParams
 from verifier_service.engine.session import Session
 from verifier_service.errors import EngineDown, NoFreePages, SessionBusy
+from verifier_service.gpu_clock import GpuClock
 from verifier_service.leases import SessionLeases
 from verifier_service.metrics import VerifierMetrics
 from verifier_service.prefill_turns import PrefillTurns
@@ -82,7 +83,9 @@ class VerifierService:
         self.background: set[asyncio.Task] = set()  # aborted prefills, releases of sessions whose caller went away
         self.reaper: asyncio.Task | None = None
         metrics.watch(engine, self.generating, lambda: self.admission.waiting, lambda: self.prefill_turns.waiting)
-        self.loop = StepLoop(engine, self.worker, drafters, metrics, self.step_costs, step_cohorts)
+        self.loop = StepLoop(engine, self.worker, drafters, metrics, self.step_costs, step_cohorts,
+                             prefilling=lambda: self.prefill_turns.under_way)
+        self.chunk_clock = GpuClock.for_device(engine.config.device)  # the prefill chunks' GPU time, for the loop
         self.down_reason: str | None = None  # set once the engine is down: every engine call fails with it
         self.down_signal: asyncio.Future | None = None  # done once the engine is down; what engine calls race
         self.warming: asyncio.Future | None = None
@@ -172,12 +175,21 @@ class VerifierService:
                 await self.admission.admit(lambda: self._call(prefill.reserve), f"the prompt's {prefill.pages_needed}")
             async with self.prefill_turns.turn(prefill.total) as between:
                 try:
-                    while not await self._call(prefill.advance, self._prefill_chunk_now()):
+                    while not await self._chunk(prefill):
                         report(prefill.done)
                         await between(prefill.total - prefill.done)
                     return
                 except NoFreePages:
                     queued = True
+
+    async def _chunk(self, prefill: Prefill) -> bool:
+        """The prefill's next chunk (Prefill.advance), its engine time learnt (StepCosts.prefill_chunk_s: how long
+        the step loop's bursts may hold the next one up): the GPU's, read once its events have passed, else the
+        engine thread's."""
+        finished, host_s = await self._call(self.chunk_clock.timed, prefill.advance, self._prefill_chunk_now())
+        for seconds in self.chunk_clock.finished() if self.chunk_clock.enabled else [host_s]:
+            self.step_costs.observe_prefill_chunk(seconds)
+        return finished
 
     def _prefill_chunk_now(self) -> int | None:
         """The lone prefill chunk (--lone-prefill-chunk) while nobody else waits for the engine: no generation

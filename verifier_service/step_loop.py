@@ -8,7 +8,8 @@ that joins while the drafts are out steps in the same pass: its first step needs
 A pass's host work runs beside the GPU: a step whose events have not been streamed yet runs on the engine thread
 while the loop streams them, and the drafters' round trip leaves the loop to the streams too. While a batch only
 decodes plainly (no drafter, or a plan in which nobody drafts that holds), each burst is queued on the engine before
-the last one's events are handed on. A generation whose sink is full (its reader is behind) sits passes out until
+the last one's events are handed on; while a prefill is under way, a burst holds its next chunk up no longer than
+the chunk itself takes (`_burst_steps`). A generation whose sink is full (its reader is behind) sits passes out until
 the sink has room, rather than letting steps pile up.
 
 With several cohorts (`--step-cohorts`), each cohort's generations have passes of their own, in turn: one cohort's
@@ -22,7 +23,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
-from typing import Protocol, TypeVar
+from typing import Protocol
 
 from modeling.speculation import StepCursor
 from modeling.tree import DraftTree, TreeError
@@ -38,8 +39,6 @@ from verifier_service.tree_budget import BudgetPolicy, Offer
 from verifier_service.worker import EngineWorker
 
 log = logging.getLogger(__name__)
-
-T = TypeVar("T")
 
 # NOTE: a consumer hands its events on at once (to its stream's outbox, which has its own limit and the gateway's
 # credit): only a consumer held up downstream has two waiting (three, when a burst was queued before its second went
@@ -109,16 +108,6 @@ class Stepper:
             self.done.set_exception(error)
 
 
-def _timed(fn: Callable[..., T], clock: GpuClock, *args) -> tuple[T, float]:
-    """fn(*args) and the seconds it ran (on the engine thread: not counting its wait behind queued work), its GPU
-    work between the clock's events."""
-    started = time.perf_counter()
-    mark = clock.start()
-    result = fn(*args)
-    clock.stop(mark)
-    return result, time.perf_counter() - started
-
-
 @dataclass
 class _Planned:
     """A stepper's part of one pass."""
@@ -132,13 +121,16 @@ class _Planned:
 
 class StepLoop:
     def __init__(self, engine: Engine, worker: EngineWorker, drafters: DrafterPool | None,
-                 metrics: VerifierMetrics, costs: StepCosts, cohorts: int = 1):
+                 metrics: VerifierMetrics, costs: StepCosts, cohorts: int = 1,
+                 prefilling: Callable[[], bool] = lambda: False):
         """cohorts: groups of generations that step in turn, each with passes of its own: while one cohort's
         step is on the GPU, the next one's drafts are out (a pass otherwise waits for its draft round with the GPU
-        idle). Each generation joins the smallest cohort."""
+        idle). Each generation joins the smallest cohort. prefilling: whether a prefill is under way (its chunks
+        share the engine with the steps: `_burst_steps`)."""
         if cohorts < 1:
             raise ValueError(f"cohorts must be >= 1, got {cohorts}")
         self.engine, self.worker, self.drafters, self.metrics, self.costs = engine, worker, drafters, metrics, costs
+        self.prefilling = prefilling
         self.planner = BudgetPlanner(costs)
         self.steppers: dict[str, Stepper] = {}  # in joining order: the longest-stepping first in a split pass
         self.wakeups = [asyncio.Event() for _ in range(cohorts)]
@@ -474,12 +466,29 @@ class StepLoop:
             return None
         session_ids = [plan.stepper.session_id for plan in batch]
         try:
-            steps = self.engine.burst_length(session_ids, wanted)
+            steps = self.engine.burst_length(session_ids, self._burst_steps(batch, wanted))
         except Exception as error:  # noqa: BLE001 - see _burst
             self._burst_refused(error)
             return None
         call = self._engine_submit if now else self._engine_call
         return batch, steps, call(self.engine.decode, session_ids, steps, forwards=steps)
+
+    def _burst_steps(self, batch: list[_Planned], wanted: int) -> int:
+        """The steps of the batch's next burst: `wanted`, or while a prefill is under way, as many as take the engine
+        about as long as one of its chunks (the cost models' estimates; one before a chunk was measured): the chunk,
+        queued behind the burst, then waits about its own time. Bursts of the whole `wanted` made each of 64 prompts
+        arriving together wait a burst of steps for its chunk (H200, Qwen3-0.6B shape, bursts of 16: mean TTFT 2.8-3.0
+        s against 2.0-2.2 s with 8, and the first session finished before the last one started,
+        benchmarks/results/throughput_decode_bursts.md); a long prompt's chunks of thousands of tokens still
+        alternate with bursts of every step wanted."""
+        if wanted == 1 or not self.prefilling():
+            return wanted
+        chunk_s = self.costs.prefill_chunk_s()
+        if chunk_s is None:
+            return 1
+        context = sum(plan.stepper.session.kv_len for plan in batch) // len(batch)
+        step_s = self.costs.verify.estimate(len(batch), context)
+        return max(1, min(wanted, int(chunk_s / step_s)))
 
     def _burst_refused(self, error: Exception) -> None:
         if self.down_reason is None and not isinstance(error, CapacityError):
@@ -523,13 +532,13 @@ class StepLoop:
         beside the GPU, the step on the engine thread."""
         call: Callable = self.worker.call if self.streaming else self.worker.step_call
         step_started = self._engine_started()
-        return self._engine_ended(step_started, await call(_timed, fn, self.clock, *args), forwards)
+        return self._engine_ended(step_started, await call(self.clock.timed, fn, *args), forwards)
 
     def _engine_submit(self, fn: Callable[..., list[StepResult]], *args, forwards: int = 1
                        ) -> Awaitable[list[StepResult]]:
         """`_engine_call`, queued on the engine thread now: the loop goes on with other work until it awaits it."""
         step_started = self._engine_started()
-        pending = self.worker.submit(_timed, fn, self.clock, *args)
+        pending = self.worker.submit(self.clock.timed, fn, *args)
 
         async def ended() -> list[StepResult]:
             return self._engine_ended(step_started, await pending, forwards)
