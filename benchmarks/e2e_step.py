@@ -6,7 +6,8 @@
   next draft commits the step's committed rows); for the breakdown, the attention kernel alone x layers;
 - the DDTree reference way: HF transformers' model of the same shape (its own random weights: timing does not
   depend on the values, and an MoE model does not fit twice), SDPA with a dense 4-D additive mask over
-  prefix + tree, DynamicCache cropped back after the step; skipped above `--hf-max-context`;
+  prefix + tree, DynamicCache cropped back after the step; skipped above `--hf-max-context`; with `--hf-layers`
+  timed on models of fewer layers and extrapolated (a long context's whole HF cache does not fit);
 - the roofline floor: max(weight + KV bytes / copy bandwidth, FLOPs / bf16 matmul rate), both measured here;
   for an MoE target the weights are those a step touches (every expert some token of the block routes to).
 
@@ -14,7 +15,7 @@ Shapes: Qwen3-8B (the default), GLM-4.7-Flash and DeepSeek-V2-Lite (MLA + MoE). 
 values; no prefill is run.
 
     python benchmarks/e2e_step.py [--shape qwen3-8b|glm-4.7-flash|deepseek-v2-lite] [--contexts 1024 ...]
-        [--budgets 15 63] [--hf-max-context N] [--out-dir DIR]
+        [--budgets 15 63] [--hf-max-context N] [--hf-layers FEW MORE] [--out-dir DIR]
 """
 
 from __future__ import annotations
@@ -171,6 +172,14 @@ def build_hf(shape: dict, device: str):
         hf = transformers.AutoModelForCausalLM.from_config(hf_config).eval()
     torch.set_default_dtype(torch.float32)
     return hf.requires_grad_(False)
+
+
+def with_layers(shape: dict, layers: int) -> dict:
+    """The shape cut to its first `layers` decoder layers (per-layer lists, such as which layers are sparse, cut
+    too)."""
+    total = shape["num_hidden_layers"]
+    return {**{key: value[:layers] if isinstance(value, list) and len(value) == total else value
+               for key, value in shape.items()}, "num_hidden_layers": layers}
 
 
 def our_session(engine: Engine, context: int) -> str:
@@ -366,6 +375,28 @@ def measure_hf(hf, config: ModelConfig, row: dict) -> None:
         torch.cuda.empty_cache()
 
 
+def measure_hf_by_layers(shape: dict, device: str, config: ModelConfig, rows: list[dict], few: int,
+                         more: int) -> None:
+    """The HF reference step of each row, extrapolated from HF models of the shape's first `few` and `more` decoder
+    layers: a layer costs their difference over `more - few`, and the rest of the step (embedding, head, the dense
+    first layers' difference from a sparse one) what the `few`-layer step leaves. For contexts whose whole HF cache
+    does not fit the GPU (GLM-4.7-Flash caches per-head K and V: ~20 KB per token and layer, 126 GB at 128k)."""
+    for layers in (few, more):
+        hf = build_hf(with_layers(shape, layers), device)
+        for row in rows:
+            measure_hf(hf, config, row)
+            row.setdefault("hf_layers_ms", {})[layers] = row.pop("hf_reference_ms")
+            print(json.dumps({"context": row["context"], "budget": row["budget"], "hf_layers": layers,
+                              "hf_ms": row["hf_layers_ms"][layers]}), flush=True)
+        del hf
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    for row in rows:
+        per_layer = (row["hf_layers_ms"][more] - row["hf_layers_ms"][few]) / (more - few)
+        row["hf_reference_ms"] = row["hf_layers_ms"][few] + (config.num_layers - few) * per_layer
+        row["hf_vs_verify"] = row["hf_reference_ms"] / row["verify_ms"]
+
+
 def weight_counts(model: CausalLM) -> dict:
     """Parameters split into the routed experts (read only where a token routes) and the rest."""
     routed = sum(p.numel() for name, p in model.named_parameters() if ".mlp.experts." in name)
@@ -430,9 +461,14 @@ def markdown(result: dict) -> str:
                      f"{r['verify_ms'] / r['serial_floor_ms']:.2f}x | {r['verify_eager_ms']:.2f} | "
                      f"{r['attention_ms']:.2f} | "
                      f"{r['engine_step_ms']:.2f} | {r['draft_and_step_ms']:.2f} | "
-                     + (f"{r['hf_reference_ms']:.1f} | {r['hf_vs_verify']:.1f}x |" if "hf_reference_ms" in r
-                        else "- | - |"))
+                     + (f"{'~' if 'hf_layers_ms' in r else ''}{r['hf_reference_ms']:.1f} | "
+                        f"{r['hf_vs_verify']:.1f}x |" if "hf_reference_ms" in r else "- | - |"))
     lines += ["", "Times in ms, mean over repeated steps with the GPU synchronised per measurement.", ""]
+    for r in result["rows"]:
+        if "hf_layers_ms" in r:
+            measured = ", ".join(f"{ms:.1f} ms with {layers} layers" for layers, ms in r["hf_layers_ms"].items())
+            lines.append(f"~ HF reference at {r['context'] // 1024}k, budget {r['budget']}: extrapolated to the "
+                         f"whole model from {measured} (`--hf-layers`).")
     for r in result["rows"]:
         if "engine_step_busy_ms" in r:  # NOTE: what the wall time holds beyond the GPU's work: host time it waits on
             lines.append(f"GPU busy (profiler) at {r['context'] // 1024}k, budget {r['budget']}: engine step "
@@ -471,8 +507,13 @@ def main() -> None:
     parser.add_argument("--budgets", type=int, nargs="+", default=[15, 63])
     parser.add_argument("--hf-max-context", type=int, default=1 << 30,
                         help="skip the HF reference above this context (its cache holds per-head K/V)")
+    parser.add_argument("--hf-layers", type=int, nargs=2, metavar=("FEW", "MORE"),
+                        help="time the HF reference with only its first FEW and MORE decoder layers and extrapolate "
+                             "its step to the whole model linearly (where its whole cache does not fit the GPU)")
     parser.add_argument("--out-dir", type=Path, default=Path("benchmarks/results"))
     args = parser.parse_args()
+    if args.hf_layers and not 0 < args.hf_layers[0] < args.hf_layers[1]:
+        parser.error(f"--hf-layers: FEW and MORE must satisfy 0 < FEW < MORE, got {args.hf_layers}")
     torch.manual_seed(0)
     shape, drafter_shape, device = shape_of(args.shape)
     ours, draft_model = build_ours(shape, drafter_shape, device)
@@ -492,7 +533,9 @@ def main() -> None:
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     hf_rows = [row for row in rows if row["context"] <= args.hf_max_context]
-    if hf_rows:  # NOTE: only then: GLM's HF model does not fit an H100 beside what our engine leaves allocated
+    if hf_rows and args.hf_layers:
+        measure_hf_by_layers(shape, device, config, hf_rows, *args.hf_layers)
+    elif hf_rows:  # NOTE: only then: GLM's HF model does not fit an H100 beside what our engine leaves allocated
         hf = build_hf(shape, device)
         for row in hf_rows:
             measure_hf(hf, config, row)

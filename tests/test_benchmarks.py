@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -70,6 +71,35 @@ def test_e2e_step_builds_no_hf_model_it_will_not_measure(tmp_path: Path, monkeyp
     e2e_step.main()
     (row,) = json.loads((tmp_path / "e2e_step_tiny.json").read_text())["rows"]
     assert row["verify_ms"] > 0 and "hf_reference_ms" not in row
+
+
+def test_e2e_step_extrapolates_the_hf_step_from_models_of_fewer_layers(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """--hf-layers 1 3: HF models of the first 1 and 3 layers (per-layer lists cut alike); a step of 2 ms + 0.5 ms
+    a layer is 4 ms for the 4-layer model, marked as extrapolated in the table."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import e2e_step
+
+    built: list[dict] = []
+
+    def build_hf(shape: dict, device: str) -> SimpleNamespace:
+        built.append(shape)
+        return SimpleNamespace(layers=shape["num_hidden_layers"])
+
+    monkeypatch.setattr(e2e_step, "build_hf", build_hf)
+    monkeypatch.setattr(e2e_step, "measure_hf", lambda hf, config, row: row.update(hf_reference_ms=2 + 0.5 * hf.layers))
+    monkeypatch.setattr(sys, "argv", ["e2e_step.py", "--shape", "tiny-mla", "--contexts", "64", "--budgets", "7",
+                                      "--hf-layers", "1", "3", "--out-dir", str(tmp_path)])
+    e2e_step.main()
+    assert [shape["num_hidden_layers"] for shape in built] == [1, 3]
+    (row,) = json.loads((tmp_path / "e2e_step_tiny-mla.json").read_text())["rows"]
+    assert row["hf_reference_ms"] == pytest.approx(4.0) and row["hf_layers_ms"] == {"1": 2.5, "3": 3.5}
+    assert row["hf_vs_verify"] == pytest.approx(4.0 / row["verify_ms"])
+    table = (tmp_path / "e2e_step_tiny-mla.md").read_text()
+    assert "| ~4.0 |" in table and "extrapolated to the whole model from 2.5 ms with 1 layers" in table
+    assert e2e_step.with_layers({"num_hidden_layers": 3, "mlp_layer_types": ["dense", "sparse", "sparse"],
+                                 "heads": [1, 2]}, 2) == {"num_hidden_layers": 2,
+                                                          "mlp_layer_types": ["dense", "sparse"], "heads": [1, 2]}
 
 
 def test_prefill_interference_smoke_run_writes_its_table(tmp_path: Path) -> None:
