@@ -445,6 +445,19 @@ def test_a_step_up_is_taken_in_a_pass_that_drafts_and_waits_for_one() -> None:
     assert planner.plan([asking] * 40 + [offer(0)] * 24, 500) == [7] * 40 + [0] * 24
 
 
+def test_a_prefill_chunks_cost_is_the_median_of_the_latest_chunks() -> None:
+    """A fresh server's first chunk (a kernel compiled meanwhile: seconds) does not stand for the next ones, and
+    only the latest 16 chunks count."""
+    costs = StepCosts()
+    assert costs.prefill_chunk_s() is None
+    for seconds in (2.0, 0.003, 0.004, 0.005):
+        costs.observe_prefill_chunk(seconds)
+    assert costs.prefill_chunk_s() == pytest.approx(0.0045)
+    for _ in range(16):
+        costs.observe_prefill_chunk(0.3)
+    assert costs.prefill_chunk_s() == pytest.approx(0.3)
+
+
 def test_a_draft_round_hidden_under_another_cohorts_step_costs_nothing() -> None:
     """With --step-cohorts, a cohort's drafts are out while another cohort's step runs: a round no longer than that
     step costs the pass nothing, so drafts that gain less than a slow round's wait are still worth it."""

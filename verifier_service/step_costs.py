@@ -4,8 +4,10 @@
 from __future__ import annotations
 
 import bisect
+import collections
 import itertools
 import math
+import statistics
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -132,17 +134,17 @@ class StepCosts:
     # requests and replies, the events): a drafting pass pays it for its one step, a plain pass shares it over the
     # steps of its burst. Keyed by whether the pass drafted; none until the loop has measured one of each kind.
     pass_host: dict[bool, DecayedMean] = field(default_factory=dict)
-    prefill_chunk: DecayedMean | None = None  # the engine's seconds on the latest prefill chunks; none until one ran
+    # NOTE: the engine's seconds on the latest prefill chunks. Their median, not a mean: the first chunk of a fresh
+    # server may include a kernel's compilation, seconds against milliseconds, and a mean would carry it for long.
+    prefill_chunks: collections.deque[float] = field(default_factory=lambda: collections.deque(maxlen=16))
 
     def observe_prefill_chunk(self, seconds: float) -> None:
         """A prefill chunk kept the engine `seconds` (its GPU time where there is one)."""
-        if self.prefill_chunk is None:
-            self.prefill_chunk = DecayedMean(0.9)
-        self.prefill_chunk.add(seconds)
+        self.prefill_chunks.append(seconds)
 
     def prefill_chunk_s(self) -> float | None:
-        """What a prefill chunk costs the engine, as the latest ones did; None before the first."""
-        return self.prefill_chunk.value if self.prefill_chunk is not None else None
+        """What a prefill chunk costs the engine: the median of the latest ones; None before the first."""
+        return statistics.median(self.prefill_chunks) if self.prefill_chunks else None
 
     def observe_pass_host(self, drafting: bool, seconds: float) -> None:
         """A pass spent `seconds` of host work per step (a plain pass: its work over the forwards of its burst)."""
