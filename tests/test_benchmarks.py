@@ -102,6 +102,15 @@ def test_e2e_step_extrapolates_the_hf_step_from_models_of_fewer_layers(tmp_path:
                                                           "mlp_layer_types": ["dense", "sparse"], "heads": [1, 2]}
 
 
+def test_micro_batches_smoke_run_writes_its_table(tmp_path: Path) -> None:
+    run_benchmark("micro_batches.py", "--shape", "tiny", "--sessions", "4", "--context", "64", "--out-dir",
+                  str(tmp_path))
+    (row,) = json.loads((tmp_path / "micro_batches_tiny.json").read_text())["rows"]
+    assert (row["sessions"], row["context"], row["streams"]) == (4, 64, 1)
+    for key in ("whole_ms", "halves_in_turn_ms", "halves_beside_ms", "beside_vs_whole"):
+        assert math.isfinite(row[key]) and row[key] > 0, key
+
+
 def test_prefill_interference_smoke_run_writes_its_table(tmp_path: Path) -> None:
     run_benchmark("prefill_interference.py", "--shape", "tiny", "--contexts", "700", "--decoders", "2",
                   "--decoder-tokens", "1024", "--baseline-s", "0.2", "--out-dir", str(tmp_path))
