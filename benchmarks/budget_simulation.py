@@ -239,6 +239,7 @@ def main() -> None:
                              "vs_best": adaptive / max(fixed.values())})
                 print(rows[-1], flush=True)
     command = " ".join(["python benchmarks/budget_simulation.py", *sys.argv[1:]])
+    args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / "budget_simulation.json").write_text(json.dumps({"command": command, "rows": rows}, indent=1))
     lines = ["# The adaptive tree budget on simulated batches", "", f"Command: `{command}`", "",
              "Tokens per simulated second (`benchmarks/budget_simulation.py`: sessions stepping together, their "
