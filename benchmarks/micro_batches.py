@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -45,7 +46,8 @@ def forward_and_head(engine: Engine, batch: VerifyBatch) -> torch.Tensor:
     return engine.head(hidden, greedy=True)
 
 
-def beside(engine: Engine, first: VerifyBatch, second: VerifyBatch, side: torch.cuda.Stream | None):
+def beside(engine: Engine, first: VerifyBatch, second: VerifyBatch,
+           side: torch.cuda.Stream | None) -> tuple[torch.Tensor, torch.Tensor]:
     """The two batches' forwards, the second on `side` (forked from the current stream and joined back)."""
     if side is None:
         return forward_and_head(engine, first), forward_and_head(engine, second)
@@ -58,7 +60,7 @@ def beside(engine: Engine, first: VerifyBatch, second: VerifyBatch, side: torch.
     return tokens, other
 
 
-def replayed(engine: Engine, step) -> callable:
+def replayed(engine: Engine, step: Callable[[], object]) -> Callable[[], object]:
     """`step` as a CUDA-graph replay on the GPU (eager on the CPU)."""
     if engine.device.type != "cuda":
         return step

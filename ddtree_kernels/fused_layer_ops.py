@@ -118,16 +118,23 @@ def norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: tor
     `out` (x's shape and dtype, D contiguous) when given."""
     num_tokens, num_heads, head_dim = x.shape
     _check_angles(x, cos, sin)
-    if out is None:
-        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    elif out.shape != x.shape or out.dtype != x.dtype or out.stride(2) != 1:
-        raise ValueError("out must be x's shape and dtype with a contiguous last axis")
+    out = _output_like(x, out, "x")
     if num_tokens:
         _norm_rope_kernel[(num_tokens,)](
             x, weight if weight is not None else x, cos, sin, out, eps, num_heads,
             x.stride(0), x.stride(1), cos.stride(0), out.stride(0), out.stride(1),
             HALF=head_dim // 2, HEADS_P2=triton.next_power_of_2(num_heads), NORM=weight is not None, num_warps=4,
         )
+    return out
+
+
+def _output_like(x: torch.Tensor, out: torch.Tensor | None, name: str) -> torch.Tensor:
+    """`out` checked to be x's shape and dtype with a contiguous last axis (the kernels write it row by row), or a
+    new such tensor."""
+    if out is None:
+        return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if out.shape != x.shape or out.dtype != x.dtype or out.stride(-1) != 1:
+        raise ValueError(f"out must be {name}'s shape and dtype with a contiguous last axis")
     return out
 
 
@@ -152,10 +159,7 @@ def latent_entry(kv: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.
     num_tokens, width = kv.shape
     rope = cos.shape[-1]
     _check_angles(kv[:, None, -rope:], cos, sin)
-    if out is None:
-        out = torch.empty(kv.shape, dtype=kv.dtype, device=kv.device)
-    elif out.shape != kv.shape or out.dtype != kv.dtype or out.stride(1) != 1:
-        raise ValueError("out must be kv's shape and dtype with contiguous rows")
+    out = _output_like(kv, out, "kv")
     if num_tokens:
         latent = width - rope
         _latent_entry_kernel[(num_tokens,)](
