@@ -63,6 +63,14 @@ class Head:
 
 
 @dataclass(frozen=True)
+class Logits:
+    """The whole vocab's logits of some rows of the last forward (a greedy batch's sessions that ask for logprobs):
+    a gather every rank joins."""
+
+    spans: tuple[tuple[int, int], ...]
+
+
+@dataclass(frozen=True)
 class Commit:
     src_rows: list[int]
     dst_slots: list[int]
@@ -79,7 +87,7 @@ class Stop:
     pass
 
 
-Command = Forward | ForwardNext | Head | Commit | CopyPages | Stop
+Command = Forward | ForwardNext | Head | Logits | Commit | CopyPages | Stop
 
 
 class Follower:
@@ -99,6 +107,8 @@ class Follower:
             case Head(greedy):
                 chosen = self.engine.head(self.hidden, greedy)
                 self.tokens = chosen if greedy else None
+            case Logits(spans):
+                self.engine.logits(self.hidden, list(spans))
             case Commit(src_rows, dst_slots):
                 self.engine.commit(src_rows, dst_slots)
             case CopyPages(src, dst):
@@ -183,6 +193,9 @@ class LeaderEngine(Engine):
 
     def head(self, hidden: torch.Tensor, greedy: bool) -> torch.Tensor:
         return self._mirrored(Head(greedy), functools.partial(super().head, hidden, greedy))
+
+    def logits(self, hidden: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tensor:
+        return self._mirrored(Logits(tuple(spans)), functools.partial(super().logits, hidden, spans))
 
     def commit(self, src_rows: list[int], dst_slots: list[int]) -> torch.Tensor:
         return self._mirrored(Commit(src_rows, dst_slots), functools.partial(super().commit, src_rows, dst_slots))

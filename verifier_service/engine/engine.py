@@ -22,6 +22,7 @@ from verifier_service.engine.attention import PagedPrefillAttention, PagedVerify
 from verifier_service.engine.block_table import BlockTable
 from verifier_service.engine.config import TRITON_MAX_BLOCK, EngineConfig
 from verifier_service.engine.kv_cache import KVCache, TreeScratch
+from verifier_service.engine.logprobs import RowLogprobs, TokenLogprob, asking_spans, read_back
 from verifier_service.engine.page_pool import PagePool
 from verifier_service.engine.prefill import Prefill
 from verifier_service.engine.sampling import SamplingParams, choose_tokens
@@ -57,6 +58,7 @@ class StepResult:
     committed: list[int]  # tokens this step put into the KV (root + accepted, cut at a stop)
     features: torch.Tensor | None  # [len(committed), F] target hidden features for the drafter
     finished: StopReason | None
+    logprobs: list[TokenLogprob] | None = None  # one per emitted token, when the generation asks for them
 
     @property
     def acceptance_length(self) -> int:
@@ -335,6 +337,11 @@ class Engine:
         """[N] argmax tokens when `greedy` (no full logits needed: the vocab may be sharded), else [N, V] logits."""
         return self.model.greedy_tokens(hidden) if greedy else self.model.logits(hidden)
 
+    def logits(self, hidden: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tensor:
+        """[R, V] fp32 logits of the rows in `spans` ([lo, hi) ranges of `hidden`'s rows) alone: the logprobs of the
+        sessions of a greedy batch that ask for them (its head computes argmaxes only)."""
+        return self.model.logits(_rows(hidden, spans))
+
     def commit(self, src_rows: list[int], dst_slots: list[int]) -> torch.Tensor:
         """Copy tree-scratch rows into page slots, in every layer -> the rows as uploaded ([2, N] on the device:
         src_rows, dst_slots), for whatever else gathers the same rows."""
@@ -358,15 +365,21 @@ class Engine:
         left = session.generation.stop.max_new_tokens - len(session.generation.stop.generated)
         return tree.truncated(min(room, left) - 1)
 
-    def _choose(self, hidden: torch.Tensor, generations: list[Generation], offsets: list[int]) -> torch.Tensor:
-        """The target's own token at every verify row ([N], on the device); session i has rows
-        offsets[i]:offsets[i + 1]."""
+    def _choose(self, hidden: torch.Tensor, generations: list[Generation], offsets: list[int]
+                ) -> tuple[torch.Tensor, RowLogprobs | None]:
+        """The target's own token at every verify row ([N], on the device), and the logprobs at the rows of the
+        sessions that ask for them (None when none does: then nothing is computed beyond the tokens); session i
+        has rows offsets[i]:offsets[i + 1]."""
         greedy = all(g.params.greedy for g in generations)
         chosen = self.head(hidden, greedy)  # [N] tokens, or [N, V] logits
-        if greedy:
-            return chosen
-        return torch.cat([choose_tokens(chosen[lo:hi], g.params, g.generator)
-                          for g, lo, hi in zip(generations, offsets, offsets[1:])])
+        tokens = chosen if greedy else torch.cat([choose_tokens(chosen[lo:hi], g.params, g.generator)
+                                                  for g, lo, hi in zip(generations, offsets, offsets[1:])])
+        asks = [g.params.logprobs for g in generations]
+        spans = asking_spans(asks, offsets)
+        if not spans:
+            return tokens, None
+        logits = self.logits(hidden, spans) if greedy else _rows(chosen, spans)
+        return tokens, RowLogprobs.of(logits, _rows(tokens, spans), max(a for a in asks if a is not None))
 
     def _distinct_sessions(self, session_ids: list[str]) -> list[Session]:
         sessions = [self.session(sid) for sid in session_ids]
@@ -382,10 +395,15 @@ class Engine:
         for s, n in zip(sessions, positions):
             s.block_table.prepare_write(s.kv_len, s.kv_len + n, self.kv)
 
-    def _targets(self, hidden: torch.Tensor, generations: list[Generation], offsets: list[int]) -> list[list[int]]:
-        """The target's own token at every verify row, per session."""
-        tokens = self._choose(hidden, generations, offsets).tolist()  # NOTE: one copy to the host for the batch
-        return [tokens[lo:hi] for lo, hi in zip(offsets, offsets[1:])]
+    def _targets(self, hidden: torch.Tensor, generations: list[Generation], offsets: list[int]
+                 ) -> tuple[list[list[int]], list[list[TokenLogprob] | None]]:
+        """The target's own token at every verify row, per session, and the logprobs at every row of those that
+        ask for them."""
+        tokens, logprobs = self._choose(hidden, generations, offsets)
+        sizes = [hi - lo for lo, hi in zip(offsets, offsets[1:])]
+        # NOTE: one copy to the host for the batch
+        tokens, per_session = read_back(tokens, logprobs, [g.params.logprobs for g in generations], sizes)
+        return [tokens[lo:hi] for lo, hi in zip(offsets, offsets[1:])], per_session
 
     def step(self, work: list[tuple[str, DraftTree]]) -> list[StepResult]:
         """Verify each session's tree in one batched forward, accept, commit. All trees are validated
@@ -399,15 +417,17 @@ class Engine:
         blocks = [BlockSpec.from_tree(s.kv_len, s.root, t, s.block_table.pages) for s, t in zip(sessions, trees)]
         hidden, features = self.forward(blocks)
         offsets = [0, *itertools.accumulate(len(b.tokens) for b in blocks)]
-        targets = self._targets(hidden, [s.generation for s in sessions], offsets)
+        targets, logprobs = self._targets(hidden, [s.generation for s in sessions], offsets)
 
         results, src_rows, dst_slots = [], [], []
-        for s, tree, (_, drafted), lo, session_targets in zip(sessions, trees, work, offsets, targets):
+        for s, tree, (_, drafted), lo, session_targets, row_logprobs in zip(sessions, trees, work, offsets, targets,
+                                                                            logprobs):
             generation = s.generation
             path, next_root = accept_path(tree, session_targets)
             drafted_path = path if tree is drafted else [drafted.kept(tree.max_depth())[i] for i in path]
             emitted, reason = generation.stop.feed([tree.tokens[i] for i in path] + [next_root])
-            # NOTE: KV keeps tokens[:-1], so the root and all emitted tokens but the last are committed.
+            # NOTE: KV keeps tokens[:-1], so the root and all emitted tokens but the last are committed; these are
+            # also the rows that chose the emitted tokens, one each
             rows = [lo] + [lo + 1 + i for i in path[: len(emitted) - 1]]
             start = s.kv_len
             src_rows += rows
@@ -424,6 +444,7 @@ class Engine:
                 committed=[s.tokens[start + j] for j in range(len(rows))],
                 features=None,
                 finished=reason,
+                logprobs=None if row_logprobs is None else [row_logprobs[row - lo] for row in rows],
             ))
         rows = self.commit(src_rows, dst_slots)
         if features is not None:  # NOTE: one gather for the batch (the commit's upload), split into views per session
@@ -461,21 +482,25 @@ class Engine:
         self._reserve(sessions, [steps] * len(sessions))
 
         generations, rows = [s.generation for s in sessions], list(range(len(sessions)))
-        ids, chosen, features = None, [], []
+        ids, chosen, features, logprobs = None, [], [], []
         for offset in range(steps):
             # NOTE: the first step's tokens are the roots; later ones are the last step's choices, on the device
             blocks = [BlockSpec.chain(s.kv_len + offset, [s.root if ids is None else 0], s.block_table.pages)
                       for s in sessions]
             hidden, step_features = self.forward(blocks, ids)
-            ids = self._choose(hidden, generations, [*rows, len(rows)])
+            ids, step_logprobs = self._choose(hidden, generations, [*rows, len(rows)])
             self.commit(rows, [s.block_table.slot(s.kv_len + offset) for s in sessions])
             chosen.append(ids)
             features.append(step_features)
-        tokens = torch.stack(chosen, dim=1).tolist()  # NOTE: the burst's one wait for the GPU
+            logprobs.append(step_logprobs)
+        # NOTE: the burst's one wait for the GPU
+        tokens, per_session = read_back(torch.stack(chosen, dim=1), None if logprobs[0] is None else
+                                        RowLogprobs.stacked(logprobs), [g.params.logprobs for g in generations],
+                                        [steps] * len(sessions))
         per_row = None if features[0] is None else torch.stack(features, dim=1)  # [B, steps, F]
 
         results = []
-        for row, (s, session_tokens) in enumerate(zip(sessions, tokens)):
+        for row, (s, session_tokens, session_logprobs) in enumerate(zip(sessions, tokens, per_session)):
             emitted, reason = s.generation.stop.feed(session_tokens)
             start, committed = s.kv_len, [s.root, *emitted[:-1]]
             s.tokens += emitted
@@ -484,9 +509,14 @@ class Engine:
             results.append(StepResult(
                 session_id=s.session_id, accepted=[], path=[], emitted=emitted, commit_start=start,
                 committed=committed, features=None if per_row is None else per_row[row, : len(committed)],
-                finished=reason))
+                finished=reason, logprobs=None if session_logprobs is None else session_logprobs[: len(emitted)]))
             s.block_table.truncate(s.kv_len)
         return results
+
+
+def _rows(tensor: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tensor:
+    """The rows of `tensor` in `spans` ([lo, hi) ranges), in order: slices, so no index is uploaded."""
+    return torch.cat([tensor[lo:hi] for lo, hi in spans])
 
 
 def checkpoint_tokenizer(path: str | Path) -> Tokenizer | None:

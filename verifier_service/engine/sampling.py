@@ -10,6 +10,7 @@ from verifier_service.errors import InvalidArgument
 
 MAX_TOP_K = 1 << 20
 MAX_NEW_TOKENS = 1 << 20
+MAX_LOGPROBS = 20  # NOTE: alternatives per emitted token, as vLLM's default max_logprobs and OpenAI's top_logprobs
 
 
 @dataclass(frozen=True)
@@ -22,6 +23,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     stop_strings: tuple[str, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None  # None = off; else each emitted token's logprob and this many alternatives
 
     def validate(self) -> None:
         if not 0.0 <= self.temperature <= 100.0:
@@ -36,6 +38,8 @@ class SamplingParams:
             raise InvalidArgument("stop_token_ids must be non-negative")
         if any(not s for s in self.stop_strings):
             raise InvalidArgument("stop_strings must not contain empty strings")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise InvalidArgument(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
 
     @property
     def greedy(self) -> bool:

@@ -1,0 +1,173 @@
+"""The logprobs of emitted tokens in the engine: those of the target's raw distribution at the rows plain decoding
+reads (transformers' own logits are the reference), under speculation and decode bursts alike, and nothing
+computed for sessions that do not ask."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+import torch
+import transformers
+
+from modeling.tree import DraftTree
+from tests.engine_helpers import burst_to_end, make_engine, run_to_end
+from verifier_service.engine.engine import Engine, StepResult
+from verifier_service.engine.logprobs import TokenLogprob
+from verifier_service.engine.sampling import SamplingParams
+from verifier_service.errors import InvalidArgument
+
+PROMPT = [5, 17, 99, 3, 250, 41, 8]
+GREEDY_LP = SamplingParams(max_new_tokens=30, ignore_eos=True, logprobs=5)
+SAMPLED_LP = SamplingParams(temperature=0.8, top_k=40, top_p=0.9, seed=3, max_new_tokens=30, ignore_eos=True,
+                            logprobs=5)
+
+
+@pytest.fixture(scope="module")
+def hf_logprobs(tiny_target):
+    """The log_softmax of transformers' fp32 logits at every position of `ids`: the reference."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32).eval()
+
+    def logprobs(ids: list[int]) -> torch.Tensor:
+        with torch.no_grad():
+            return model(torch.tensor([ids])).logits[0].log_softmax(-1)
+    return logprobs
+
+
+def generate(engine: Engine, params: SamplingParams, next_tree=lambda _: DraftTree.empty(),
+             prompt: list[int] = PROMPT) -> tuple[list[int], list[TokenLogprob], list[StepResult]]:
+    session, _ = engine.create_session(prompt)
+    engine.start_generation(session.session_id, params)
+    tokens, results = run_to_end(engine, session.session_id, next_tree)
+    engine.release_session(session.session_id)
+    return tokens, logprobs_of(results), results
+
+
+def logprobs_of(results: list[StepResult]) -> list[TokenLogprob]:
+    assert all(len(r.logprobs) == len(r.emitted) for r in results)
+    return [lp for r in results for lp in r.logprobs]
+
+
+def planted_trees(expected: list[int], seed: int = 0):
+    """Trees holding a prefix of `expected` (a drafter that is sometimes right), each true node after a wrong
+    sibling: the accepted nodes are never the first rows, so a logprob read from the wrong row shows."""
+    rng = random.Random(seed)
+
+    def next_tree(emitted: list[int]) -> DraftTree:
+        tokens, parents, depths, parent = [], [], [], -1
+        for depth, token in enumerate(expected[len(emitted):][:rng.randrange(7)], start=1):
+            tokens += [(token + 1) % 256, token]
+            parents += [parent, parent]
+            depths += [depth, depth]
+            parent = len(tokens) - 1
+        return DraftTree(tuple(tokens), tuple(parents), tuple(depths))
+    return next_tree
+
+
+def assert_matches_reference(tokens: list[int], logprobs: list[TokenLogprob], reference: torch.Tensor,
+                             width: int) -> None:
+    """Each token's logprob and its row's `width` best tokens equal the reference's row that predicted it."""
+    assert len(logprobs) == len(tokens)
+    rows = reference[len(PROMPT) - 1: len(PROMPT) - 1 + len(tokens)]
+    got = torch.tensor([lp.logprob for lp in logprobs])
+    torch.testing.assert_close(got, rows.gather(-1, torch.tensor(tokens)[:, None])[:, 0], atol=2e-5, rtol=1e-4)
+    top = rows.topk(width, dim=-1)
+    assert [list(lp.top_ids) for lp in logprobs] == top.indices.tolist()
+    torch.testing.assert_close(torch.tensor([lp.top_logprobs for lp in logprobs]), top.values, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("params", [GREEDY_LP, SAMPLED_LP], ids=["greedy", "sampled"])
+def test_speculative_logprobs_equal_plain_decodings_and_transformers(tiny_target, hf_logprobs, params) -> None:
+    engine = make_engine(tiny_target, max_tree_nodes=64)
+    plain, plain_logprobs, _ = generate(engine, params)
+    assert_matches_reference(plain, plain_logprobs, hf_logprobs(PROMPT + plain), params.logprobs)
+    speculative, spec_logprobs, results = generate(engine, params, planted_trees(plain))
+    if params.greedy:
+        assert speculative == plain and any(r.acceptance_length > 2 for r in results)
+        torch.testing.assert_close(torch.tensor([lp.logprob for lp in spec_logprobs]),
+                                   torch.tensor([lp.logprob for lp in plain_logprobs]), atol=1e-5, rtol=1e-5)
+        assert all(lp.top_ids[0] == token and lp.top_logprobs[0] == lp.logprob
+                   for token, lp in zip(plain, spec_logprobs))  # the argmax leads its own alternatives
+    # NOTE: a sampled speculative generation draws other tokens (one draw per tree row): its own are the reference
+    assert_matches_reference(speculative, spec_logprobs, hf_logprobs(PROMPT + speculative), params.logprobs)
+    assert all(list(lp.top_logprobs) == sorted(lp.top_logprobs, reverse=True) for lp in spec_logprobs)
+
+
+@pytest.mark.parametrize("params", [GREEDY_LP, SAMPLED_LP], ids=["greedy", "sampled"])
+def test_burst_logprobs_equal_single_steps(tiny_target, params) -> None:
+    engine = make_engine(tiny_target)
+    expected, expected_logprobs, _ = generate(engine, params)
+    session, _ = engine.create_session(PROMPT)
+    engine.start_generation(session.session_id, params)
+    first = engine.step([(session.session_id, DraftTree.empty())])
+    results = first + burst_to_end(engine, [session.session_id], steps=7)[session.session_id]
+    assert max(len(r.emitted) for r in results) == 7
+    assert [t for r in results for t in r.emitted] == expected
+    assert [lp.top_ids for lp in logprobs_of(results)] == [lp.top_ids for lp in expected_logprobs]
+    torch.testing.assert_close(torch.tensor([lp.logprob for lp in logprobs_of(results)]),
+                               torch.tensor([lp.logprob for lp in expected_logprobs]), atol=1e-5, rtol=1e-5)
+
+
+def step_together(engine: Engine, params: list[SamplingParams], trees) -> list[list[StepResult]]:
+    """Sessions on PROMPT-like prompts stepped in one batch until all finish; each session's results."""
+    ids = []
+    for i, p in enumerate(params):
+        session, _ = engine.create_session(PROMPT + [i])
+        engine.start_generation(session.session_id, p)
+        ids.append(session.session_id)
+    results: list[list[StepResult]] = [[] for _ in params]
+    live = list(range(len(params)))
+    while live:
+        emitted = [[t for r in results[i] for t in r.emitted] for i in live]
+        step = engine.step([(ids[i], trees[i](e)) for i, e in zip(live, emitted)])
+        for i, result in zip(list(live), step):
+            results[i].append(result)
+            if result.finished:
+                live.remove(i)
+    for sid in ids:
+        engine.release_session(sid)
+    return results
+
+
+@pytest.mark.parametrize("other", [SamplingParams(max_new_tokens=20, ignore_eos=True),
+                                   SamplingParams(temperature=1.0, seed=11, max_new_tokens=20, ignore_eos=True)],
+                         ids=["greedy-batch", "sampled-batch"])
+def test_one_session_asking_leaves_the_others_outputs_as_they_were(tiny_target, other) -> None:
+    engine = make_engine(tiny_target, max_tree_nodes=64)
+    asking = SamplingParams(max_new_tokens=20, ignore_eos=True, logprobs=2)
+    empty = [lambda _: DraftTree.empty()] * 2
+    alone = step_together(engine, [other, dataclasses.replace(asking, logprobs=None)], empty)
+    together = step_together(engine, [other, asking], empty)
+    assert [r.emitted for r in together[0]] == [r.emitted for r in alone[0]]
+    assert all(r.logprobs is None for r in together[0] + alone[1])
+    assert [r.emitted for r in together[1]] == [r.emitted for r in alone[1]]
+    asked = logprobs_of(together[1])
+    assert len(asked) == 20 and all(len(lp.top_ids) == 2 for lp in asked)
+
+
+def test_a_greedy_batch_without_logprobs_computes_no_full_logits(tiny_target, monkeypatch) -> None:
+    engine = make_engine(tiny_target)
+
+    def refused(*args):
+        raise AssertionError("full logits computed for a greedy batch that asked for no logprobs")
+    monkeypatch.setattr(engine.model, "logits", refused)
+    tokens, _ = run_greedy(engine, SamplingParams(max_new_tokens=8, ignore_eos=True))
+    assert len(tokens) == 8
+    with pytest.raises(AssertionError, match="full logits"):
+        run_greedy(engine, SamplingParams(max_new_tokens=8, ignore_eos=True, logprobs=0))
+
+
+def run_greedy(engine: Engine, params: SamplingParams) -> tuple[list[int], list[StepResult]]:
+    session, _ = engine.create_session(PROMPT)
+    engine.start_generation(session.session_id, params)
+    try:
+        return run_to_end(engine, session.session_id, lambda _: DraftTree.empty())
+    finally:
+        engine.release_session(session.session_id)
+
+
+@pytest.mark.parametrize("logprobs", [-1, 21])
+def test_logprobs_out_of_range_are_refused(logprobs: int) -> None:
+    with pytest.raises(InvalidArgument, match="logprobs"):
+        SamplingParams(logprobs=logprobs).validate()
