@@ -50,11 +50,12 @@ def _gateway_error(error: grpc.RpcError) -> GatewayError:
 
 def sampling_params(max_new_tokens: int = 0, temperature: float = 0.0, top_k: int = 0, top_p: float = 0.0,
                     seed: int | None = None, stop: Sequence[str] = (), stop_token_ids: Sequence[int] = (),
-                    ignore_eos: bool = False) -> common_pb2.SamplingParams:
-    """0 means "the server's default" for max_new_tokens, and "off" for top_k and top_p."""
+                    ignore_eos: bool = False, logprobs: int | None = None) -> common_pb2.SamplingParams:
+    """0 means "the server's default" for max_new_tokens, and "off" for top_k and top_p. `logprobs`: each token's
+    log-probability and this many alternatives in the chunks (None: none)."""
     params = common_pb2.SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p,
                                        max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids,
-                                       stop_strings=stop, ignore_eos=ignore_eos)
+                                       stop_strings=stop, ignore_eos=ignore_eos, logprobs=logprobs)
     if seed is not None:
         params.seed = seed
     return params
@@ -87,6 +88,7 @@ class _Output:
     def __init__(self) -> None:
         self.text = ""
         self.token_ids: list[int] = []
+        self.logprobs: list[common_pb2.TokenLogprob] = []  # one per token, when asked for
         self.acceptance_lengths: list[int] = []
         self.summary: gateway_pb2.GenerateSummary | None = None
         # time.monotonic() when the first and the latest tokens arrived here (a stopped call has no summary)
@@ -105,6 +107,7 @@ class _Output:
             self.first_token_at = self.first_token_at or self.last_token_at
         self.text += chunk.text
         self.token_ids.extend(chunk.token_ids)
+        self.logprobs.extend(chunk.logprobs)
         self.acceptance_lengths.append(chunk.acceptance_length)
         return chunk
 

@@ -49,7 +49,8 @@ class Relay:
         if step.finished:
             self.stop_reason = step.stop_reason
         chunk = gateway_pb2.GenerateChunk(text=self.text.push(step.token_ids, final=step.finished),
-                                          token_ids=step.token_ids, acceptance_length=step.acceptance_length)
+                                          token_ids=step.token_ids, acceptance_length=step.acceptance_length,
+                                          logprobs=step.logprobs)
         return gateway_pb2.GenerateReply(chunk=chunk)
 
     @property

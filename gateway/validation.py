@@ -9,6 +9,7 @@ from gateway.config import GatewayConfig
 from gateway.errors import InvalidArgument, PromptTooLong
 from proto import common_pb2
 
+MAX_LOGPROBS = 20  # NOTE: alternatives per emitted token (proto/common.proto), as the verifier's engine allows
 
 def check_prompt_text(text: str, token_ids: Sequence[int], max_bytes: int | None) -> None:
     """The cheap checks, before any tokenization: one source, and not more bytes than a prompt that fits can
@@ -54,6 +55,8 @@ def checked_params(params: common_pb2.SamplingParams, config: GatewayConfig,
     _check_range("params.top_p", params.top_p, 0.0, 1.0)
     _check_range("params.top_k", params.top_k, 0, vocab_size if vocab_size is not None else 2**31 - 1)
     _check_range("params.max_new_tokens", params.max_new_tokens, 0, config.max_new_tokens_limit)
+    if params.HasField("logprobs"):
+        _check_range("params.logprobs", params.logprobs, 0, MAX_LOGPROBS)
     for token in params.stop_token_ids:
         _check_range("params.stop_token_ids", token, 0, (vocab_size or 2**31) - 1)
     if len(params.stop_strings) > config.max_stop_strings:

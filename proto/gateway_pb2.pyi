@@ -56,14 +56,16 @@ class GenerateReply(_message.Message):
     def __init__(self, chunk: _Optional[_Union[GenerateChunk, _Mapping]] = ..., summary: _Optional[_Union[GenerateSummary, _Mapping]] = ..., prefill: _Optional[_Union[_common_pb2.PrefillProgress, _Mapping]] = ...) -> None: ...
 
 class GenerateChunk(_message.Message):
-    __slots__ = ("text", "token_ids", "acceptance_length")
+    __slots__ = ("text", "token_ids", "acceptance_length", "logprobs")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTANCE_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     text: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     acceptance_length: int
-    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., acceptance_length: _Optional[int] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., acceptance_length: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class GenerateSummary(_message.Message):
     __slots__ = ("stop_reason", "session", "prompt_tokens", "generated_tokens", "steps", "ttft_ms", "tokens_per_second", "mean_acceptance_length", "e2e_ms", "session_tokens")

@@ -52,7 +52,7 @@ class VerifierGenerateRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., append_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., keep_session: _Optional[bool] = ..., tree_budget: _Optional[int] = ...) -> None: ...
 
 class VerifierGenerateStep(_message.Message):
-    __slots__ = ("step", "token_ids", "acceptance_length", "drafted_nodes", "finished", "stop_reason", "num_tokens", "timings", "prefill")
+    __slots__ = ("step", "token_ids", "acceptance_length", "drafted_nodes", "finished", "stop_reason", "num_tokens", "timings", "prefill", "logprobs")
     STEP_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTANCE_LENGTH_FIELD_NUMBER: _ClassVar[int]
@@ -62,6 +62,7 @@ class VerifierGenerateStep(_message.Message):
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     step: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     acceptance_length: int
@@ -71,7 +72,8 @@ class VerifierGenerateStep(_message.Message):
     num_tokens: int
     timings: _common_pb2.StepTimings
     prefill: _common_pb2.PrefillProgress
-    def __init__(self, step: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., acceptance_length: _Optional[int] = ..., drafted_nodes: _Optional[int] = ..., finished: _Optional[bool] = ..., stop_reason: _Optional[_Union[_common_pb2.StopReason, str]] = ..., num_tokens: _Optional[int] = ..., timings: _Optional[_Union[_common_pb2.StepTimings, _Mapping]] = ..., prefill: _Optional[_Union[_common_pb2.PrefillProgress, _Mapping]] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
+    def __init__(self, step: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., acceptance_length: _Optional[int] = ..., drafted_nodes: _Optional[int] = ..., finished: _Optional[bool] = ..., stop_reason: _Optional[_Union[_common_pb2.StopReason, str]] = ..., num_tokens: _Optional[int] = ..., timings: _Optional[_Union[_common_pb2.StepTimings, _Mapping]] = ..., prefill: _Optional[_Union[_common_pb2.PrefillProgress, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class VerifierStreamRequest(_message.Message):
     __slots__ = ("request_id", "generate", "cancel", "consumed", "timeout_s", "window")

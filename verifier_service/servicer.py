@@ -12,6 +12,7 @@ import grpc
 
 from proto import common_pb2, verifier_pb2, verifier_pb2_grpc
 from proto.status import maps_status
+from verifier_service.engine.logprobs import TokenLogprob
 from verifier_service.engine.sampling import SamplingParams
 from verifier_service.engine.session import Session
 from verifier_service.engine.stopping import StopReason
@@ -46,7 +47,13 @@ def params_from_pb(params: common_pb2.SamplingParams) -> SamplingParams:
         stop_token_ids=tuple(params.stop_token_ids),
         stop_strings=tuple(params.stop_strings),
         ignore_eos=params.ignore_eos,
+        logprobs=params.logprobs if params.HasField("logprobs") else None,
     )
+
+
+def logprobs_pb(logprobs: list[TokenLogprob] | None) -> list[common_pb2.TokenLogprob]:
+    return [common_pb2.TokenLogprob(logprob=lp.logprob, top_token_ids=lp.top_ids, top_logprobs=lp.top_logprobs)
+            for lp in logprobs or ()]
 
 
 async def run_ahead(events: AsyncIterator[T], limit: int = RUN_AHEAD_EVENTS) -> AsyncIterator[T]:
@@ -151,7 +158,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             stop_reason=STOP_REASONS.get(result.finished, common_pb2.STOP_REASON_UNSPECIFIED),
             # NOTE: from the step itself: the engine may be running the session's next burst already (StepLoop._burst)
             num_tokens=result.commit_start + len(result.committed) + 1,
-            timings=common_pb2.StepTimings(draft_wait_ms=event.draft_wait_s * 1e3, verify_ms=event.verify_s * 1e3))
+            timings=common_pb2.StepTimings(draft_wait_ms=event.draft_wait_s * 1e3, verify_ms=event.verify_s * 1e3),
+            logprobs=logprobs_pb(result.logprobs))
 
     @maps_errors
     async def ForkSession(self, request, context):
