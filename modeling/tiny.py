@@ -15,6 +15,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from modeling.checkpoint import save_sharded
 from modeling.config import ModelConfig, parse_dtype, read_config_json
+from modeling.tokenizer import BYTE_LEVEL_BYTES
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>")
 EOS_TOKEN = "<|endoftext|>"
@@ -74,21 +75,12 @@ TINY_CONFIGS = {
 def byte_level_tokenizer() -> Tokenizer:
     """Token id b (0..255) is byte b; the special tokens follow at 256.."""
     byte_to_char = pre_tokenizers.ByteLevel.alphabet()  # the 256 printable stand-ins, unordered
-    ordered = sorted(byte_to_char, key=_byte_of_char)
+    ordered = sorted(byte_to_char, key=BYTE_LEVEL_BYTES.__getitem__)
     tokenizer = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(ordered)}, merges=[]))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.add_special_tokens(list(SPECIAL_TOKENS))
     return tokenizer
-
-
-def _byte_of_char(ch: str) -> int:
-    """Inverse of GPT-2's bytes-to-unicode table: printable bytes map to themselves, the rest to 256+k."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    if ord(ch) in printable:
-        return ord(ch)
-    others = [b for b in range(256) if b not in printable]
-    return others[ord(ch) - 256]
 
 
 def random_weights(config: ModelConfig, seed: int, std: float = 0.02) -> dict[str, torch.Tensor]:

@@ -2,9 +2,22 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
+
+
+def _byte_level_bytes() -> dict[str, int]:
+    """Inverse of GPT-2's bytes-to-unicode table (byte-level BPE vocabularies spell each byte as one printable
+    character): printable bytes stand for themselves, the others for 256, 257, ... in order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {chr(b): b for b in printable} | {chr(256 + k): b for k, b in enumerate(others)}
+
+
+BYTE_LEVEL_BYTES = _byte_level_bytes()
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # sentencepiece's byte pieces
 
 
 class Tokenizer:
@@ -23,6 +36,19 @@ class Tokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self.inner.decode(ids, skip_special_tokens=False)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token spells on its own: its text's UTF-8 where that is whole characters, else (a piece of
+        a multi-byte character, which decodes as U+FFFD) the raw bytes of its byte-level or byte-fallback entry."""
+        text = self.decode([token_id])
+        if "\ufffd" not in text:
+            return text.encode()
+        entry = self.inner.id_to_token(token_id) or ""
+        if fallback := _BYTE_FALLBACK.fullmatch(entry):
+            return bytes([int(fallback[1], 16)])
+        if entry and all(ch in BYTE_LEVEL_BYTES for ch in entry):
+            return bytes(BYTE_LEVEL_BYTES[ch] for ch in entry)
+        return text.encode()
 
     def max_token_bytes(self) -> int:
         """An upper bound on the UTF-8 bytes of text one token covers (its vocabulary entry's own bytes: a
