@@ -27,6 +27,7 @@ from aiohttp import web
 from gateway.auth import ApiKeys
 from gateway.errors import InvalidArgument, ModelNotFound
 from gateway.http_errors import NAMES_FIELD, error_body, http_error
+from gateway.openai_logprobs import ChoiceLogprobs, TokenSpelling
 from gateway.openai_requests import OpenAIRequest, chat_request, completion_request
 from gateway.openai_responses import CHAT, COMPLETIONS, Endpoint, Reply
 from gateway.service import Caller, GatewayService
@@ -41,6 +42,7 @@ class HttpApi:
     def __init__(self, service: GatewayService, keys: ApiKeys):
         self.service = service
         self.keys = keys
+        self.spelling = TokenSpelling(service.tokenizer)
         self._started = int(time.time())
 
     def application(self) -> web.Application:
@@ -102,21 +104,24 @@ class HttpApi:
         model = self.service.model_info()
         reply = Reply(endpoint, model.name, parsed.include_usage)
         text = _ReplyText(self.service, set(model.eos_token_ids))
+        logprobs = ChoiceLogprobs(self.spelling, endpoint.chat) if params.HasField("logprobs") else None
         replies = self.service.generate(caller, prompt, params, parsed.session, parsed.keep_session, parsed.fork)
         async with contextlib.aclosing(replies):
             started = await _started(replies)  # NOTE: a failure before any output is the reply's own status
             if parsed.stream:
-                return await self._stream(request, reply, started, text)
+                return await self._stream(request, reply, started, text, logprobs)
             chunks, summary = [], None
             async for message in started:
                 if message.HasField("summary"):
                     summary = message.summary
                 else:
-                    chunks.append(text(message.chunk))
-            return web.json_response(reply.body("".join(chunks), summary))
+                    chunks.append(message.chunk)
+            whole = gateway_pb2.GenerateChunk(token_ids=[t for c in chunks for t in c.token_ids],
+                                              logprobs=[lp for c in chunks for lp in c.logprobs])
+            return web.json_response(reply.body("".join(map(text, chunks)), summary, _logprobs_of(logprobs, whole)))
 
     async def _stream(self, request: web.Request, reply: Reply, replies: AsyncIterator[gateway_pb2.GenerateReply],
-                      text: _ReplyText) -> web.StreamResponse:
+                      text: _ReplyText, logprobs: ChoiceLogprobs | None) -> web.StreamResponse:
         """Server-sent events: OpenAI's chunks, then `data: [DONE]`; a failure is the last event instead."""
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
@@ -127,8 +132,8 @@ class HttpApi:
                 if message.HasField("summary"):
                     for chunk in reply.last_chunks(message.summary):
                         await _send(response, chunk)
-                elif delta := text(message.chunk):
-                    await _send(response, reply.chunk({"content": delta}))
+                elif (delta := text(message.chunk)) or message.chunk.logprobs:
+                    await _send(response, reply.chunk({"content": delta}, _logprobs_of(logprobs, message.chunk)))
             await response.write(b"data: [DONE]\n\n")
         except ConnectionResetError:  # the client went away between two writes: as a cancellation
             self._count(grpc.StatusCode.CANCELLED)
@@ -177,6 +182,11 @@ class _ReplyText:
         if chunk.token_ids and chunk.token_ids[-1] in self._stop_ids:
             return chunk.text.removesuffix(self._decode([chunk.token_ids[-1]]))
         return chunk.text
+
+
+def _logprobs_of(logprobs: ChoiceLogprobs | None, chunk: gateway_pb2.GenerateChunk) -> dict | None:
+    """The chunk's tokens' logprobs as the choice's `logprobs`; None when the request asked for none."""
+    return None if logprobs is None else logprobs(chunk.token_ids, chunk.logprobs)
 
 
 @contextlib.contextmanager

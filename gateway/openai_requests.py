@@ -18,8 +18,8 @@ from proto import common_pb2
 
 # Fields this server does not implement: a request may send them only with a value that asks for nothing.
 _NO_OP_VALUES: dict[str, tuple[Any, ...]] = {
-    "n": (None, 1), "best_of": (None, 1), "echo": (None, False), "suffix": (None, ""), "logprobs": (None, False),
-    "top_logprobs": (None, 0), "logit_bias": (None, {}), "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
+    "n": (None, 1), "best_of": (None, 1), "echo": (None, False), "suffix": (None, ""),
+    "logit_bias": (None, {}), "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
     "tools": (None, []), "functions": (None, []), "tool_choice": (None, "none", "auto"),
     "response_format": (None, {"type": "text"}),
 }
@@ -49,7 +49,10 @@ def completion_request(body: Any) -> OpenAIRequest:
     """POST /v1/completions: `prompt` is a string or token ids (or a list holding one of them)."""
     body = _object(body, "request body")
     text, token_ids = _prompt(body.get("prompt"))
-    return _request(body, "prompt", "max_tokens", text=text, token_ids=token_ids)
+    if body.get("top_logprobs") not in (None, 0):
+        raise InvalidArgument("top_logprobs: a chat field; completions ask for N alternatives with logprobs: N")
+    logprobs = ("logprobs", _integer(body, "logprobs", None))
+    return _request(body, "prompt", "max_tokens", logprobs, text=text, token_ids=token_ids)
 
 
 def chat_request(body: Any) -> OpenAIRequest:
@@ -59,10 +62,24 @@ def chat_request(body: Any) -> OpenAIRequest:
     if not isinstance(messages, list):
         raise InvalidArgument("messages: must be a list of messages")
     max_field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    return _request(body, "messages", max_field, messages=tuple(_message(m, i) for i, m in enumerate(messages)))
+    return _request(body, "messages", max_field, _chat_logprobs(body),
+                    messages=tuple(_message(m, i) for i, m in enumerate(messages)))
 
 
-def _request(body: dict, prompt_field: str, max_field: str, **prompt: Any) -> OpenAIRequest:
+def _chat_logprobs(body: dict) -> tuple[str, int | None]:
+    """Chat's `logprobs: true` with `top_logprobs` alternatives (0 when absent) -> the field that names the number,
+    and the number (None: no logprobs). `top_logprobs` without `logprobs: true` is refused, as by OpenAI."""
+    top = _integer(body, "top_logprobs", None)
+    if not _typed(body, "logprobs", bool, False):
+        if top is not None:
+            raise InvalidArgument("top_logprobs: needs logprobs: true")
+        return "top_logprobs", None
+    return "top_logprobs", 0 if top is None else top
+
+
+def _request(body: dict, prompt_field: str, max_field: str, logprobs: tuple[str, int | None],
+             **prompt: Any) -> OpenAIRequest:
+    """`logprobs`: the request's field that names the number of alternatives, and the number (None: none)."""
     for name, no_ops in _NO_OP_VALUES.items():
         if body.get(name) not in no_ops:
             allowed = " or ".join(json.dumps(v) for v in no_ops)
@@ -78,16 +95,17 @@ def _request(body: dict, prompt_field: str, max_field: str, **prompt: Any) -> Op
         raise InvalidArgument("ddtree.fork: needs ddtree.session, the session to fork")
     names = {"text": prompt_field, "token_ids": prompt_field, "text/token_ids": prompt_field,
              "params.temperature": "temperature", "params.top_p": "top_p", "params.max_new_tokens": max_field,
-             "params.stop_strings": "stop", "session": "ddtree.session"}
-    return OpenAIRequest(model=_typed(body, "model", str, ""), params=_params(body, max_field), stream=stream,
+             "params.stop_strings": "stop", "session": "ddtree.session", "params.logprobs": logprobs[0]}
+    return OpenAIRequest(model=_typed(body, "model", str, ""), params=_params(body, max_field, logprobs),
+                         stream=stream,
                          include_usage=_typed(options, "include_usage", bool, False, "stream_options."), names=names,
                          session=session, keep_session=_typed(extension, "keep_session", bool, False, "ddtree."),
                          fork=fork, **prompt)
 
 
-def _params(body: dict, max_field: str) -> common_pb2.SamplingParams:
+def _params(body: dict, max_field: str, logprobs: tuple[str, int | None]) -> common_pb2.SamplingParams:
     """OpenAI's defaults where the field is absent: temperature 1 and top_p 1 (sampling); max tokens: the
-    server's default."""
+    server's default; no logprobs."""
     stop = body.get("stop")
     stops = [stop] if isinstance(stop, str) else stop or []
     if not (isinstance(stops, list) and all(isinstance(s, str) for s in stops)):
@@ -102,6 +120,11 @@ def _params(body: dict, max_field: str) -> common_pb2.SamplingParams:
         if not 0 <= seed < _UINT64:
             raise InvalidArgument(f"seed: must be in [0, 2**64), got {seed}")
         params.seed = seed
+    field, alternatives = logprobs
+    if alternatives is not None:
+        if not -_INT32 <= alternatives < _INT32:  # NOTE: the range itself is validation.py's, as for gRPC
+            raise InvalidArgument(f"{field}: must be a 32-bit integer, got {alternatives}")
+        params.logprobs = alternatives
     return params
 
 

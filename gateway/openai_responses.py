@@ -26,14 +26,16 @@ class Endpoint:
     def chunk_object(self) -> str:
         return "chat.completion.chunk" if self.chat else "text_completion"
 
-    def choice(self, text: str, finish_reason: str | None) -> dict:
+    def choice(self, text: str, finish_reason: str | None, logprobs: dict | None = None) -> dict:
+        """`logprobs`: gateway/openai_logprobs.py's object, when the request asked for them."""
         content = {"message": {"role": "assistant", "content": text}} if self.chat else {"text": text}
-        return {"index": 0, **content, "logprobs": None, "finish_reason": finish_reason}
+        return {"index": 0, **content, "logprobs": logprobs, "finish_reason": finish_reason}
 
-    def delta(self, fields: dict, finish_reason: str | None = None) -> dict:
-        """A stream choice: `fields` of the assistant message (chat) or `{"text": ...}` (completions)."""
+    def delta(self, fields: dict, finish_reason: str | None = None, logprobs: dict | None = None) -> dict:
+        """A stream choice: `fields` of the assistant message (chat) or `{"text": ...}` (completions), and the
+        logprobs of the chunk's own tokens when asked for."""
         content = {"delta": fields} if self.chat else {"text": fields.get("content", "")}
-        return {"index": 0, **content, "logprobs": None, "finish_reason": finish_reason}
+        return {"index": 0, **content, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
 COMPLETIONS = Endpoint(chat=False)
@@ -64,15 +66,15 @@ class Reply:
         self._head = {"id": f"{'chatcmpl' if endpoint.chat else 'cmpl'}-{uuid.uuid4().hex}",
                       "created": int(time.time()), "model": model}
 
-    def body(self, text: str, summary: gateway_pb2.GenerateSummary) -> dict:
+    def body(self, text: str, summary: gateway_pb2.GenerateSummary, logprobs: dict | None = None) -> dict:
         """The non-streaming response."""
-        choice = self.endpoint.choice(text, FINISH_REASONS.get(summary.stop_reason, "stop"))
+        choice = self.endpoint.choice(text, FINISH_REASONS.get(summary.stop_reason, "stop"), logprobs)
         return {**self._head, "object": self.endpoint.object, "choices": [choice], "usage": usage(summary),
                 "ddtree": extension(summary)}
 
-    def chunk(self, fields: dict) -> dict:
-        """A stream chunk carrying `fields` of the reply (the role first, then content)."""
-        return self._chunk([self.endpoint.delta(fields)])
+    def chunk(self, fields: dict, logprobs: dict | None = None) -> dict:
+        """A stream chunk carrying `fields` of the reply (the role first, then content) and its tokens' logprobs."""
+        return self._chunk([self.endpoint.delta(fields, logprobs=logprobs)])
 
     def last_chunks(self, summary: gateway_pb2.GenerateSummary) -> list[dict]:
         """The chunk with the finish reason and the "ddtree" object, then the usage chunk when asked for."""

@@ -375,6 +375,8 @@ def test_unknown_and_expired_handles_are_not_found(env) -> None:
     (lambda c: c.generate("a", max_new_tokens=10**7), "params.max_new_tokens"),
     (lambda c: c.generate("a", stop=[""]), "params.stop_strings"),
     (lambda c: c.generate("a", stop_token_ids=[-5]), "params.stop_token_ids"),
+    (lambda c: c.generate("a", logprobs=21), "params.logprobs"),
+    (lambda c: c.generate("a", logprobs=-1), "params.logprobs"),
     (lambda c: c.create_session(token_ids=[1] * 5000), "context"),
 ])
 def test_bad_requests_are_invalid_argument_naming_the_field(env, call, field: str) -> None:

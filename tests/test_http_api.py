@@ -5,6 +5,7 @@ decoding in this process, usage, stop strings, sessions, and the errors in OpenA
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import time
 import urllib.error
@@ -20,9 +21,15 @@ from ddtree.local_stack import LocalStack, free_port
 from gateway.chat_template import ChatTemplate
 from gateway.errors import QuotaExceeded
 from gateway.http_api import _started
+from gateway.openai_logprobs import TokenSpelling
 from modeling.tiny import CHAT_TEMPLATE, EOS_TOKEN
+from modeling.tokenizer import Tokenizer
+from modeling.tree import DraftTree
 from proto import common_pb2, gateway_pb2
+from tests.engine_helpers import make_engine, run_to_end
 from tests.stack_helpers import greedy_reference, verifier_info
+from verifier_service.engine.logprobs import TokenLogprob
+from verifier_service.engine.sampling import SamplingParams
 
 MAX_NEW = 24
 KEYS = ("k-alice", "k-bob")
@@ -31,6 +38,7 @@ MAX_CONTEXT = 4096
 CHAT = [{"role": "system", "content": "You answer briefly."}, {"role": "user", "content": "What comes after 41?"}]
 THEN = [{"role": "user", "content": "And after 42?"}]
 PROMPT = "The cat sat on the mat. The cat"
+LOGPROBS = 3
 TEMPLATE = ChatTemplate(CHAT_TEMPLATE)
 
 
@@ -50,6 +58,25 @@ def stack(tiny_target, tmp_path_factory):
 @pytest.fixture(scope="module")
 def reference(tiny_target):
     return greedy_reference(tiny_target, MAX_NEW)
+
+
+@pytest.fixture(scope="module")
+def reference_logprobs(tiny_target):
+    """Plain greedy decoding in this process with LOGPROBS alternatives: prompt ids -> tokens, their logprobs."""
+    engine = make_engine(tiny_target, page_size=64)
+
+    def generate(prompt: list[int]) -> tuple[list[int], list[TokenLogprob]]:
+        session, _ = engine.create_session(prompt)
+        engine.start_generation(session.session_id, SamplingParams(max_new_tokens=MAX_NEW, logprobs=LOGPROBS))
+        tokens, results = run_to_end(engine, session.session_id, lambda _: DraftTree.empty())
+        engine.release_session(session.session_id)
+        return tokens, [lp for r in results for lp in r.logprobs]
+    return generate
+
+
+@pytest.fixture(scope="module")
+def spelling(tiny_target) -> TokenSpelling:
+    return TokenSpelling(Tokenizer.from_dir(tiny_target))
 
 
 def model(stack: LocalStack) -> str:
@@ -129,6 +156,69 @@ def test_completions_equal_grpc_for_text_and_token_ids(stack, reference) -> None
     assert chunks[-1].choices[0].finish_reason == finish_reason(generation) and chunks[-1].usage is None
 
 
+def assert_top_alternatives(tops: list[list[tuple[int | str, float]]], expected: list[TokenLogprob],
+                            spell=lambda token: token) -> None:
+    """Each token's alternatives (token, logprob), best first, are the reference's."""
+    assert [[token for token, _ in top] for top in tops] == [[spell(i) for i in lp.top_ids] for lp in expected]
+    for top, lp in zip(tops, expected):
+        assert [value for _, value in top] == pytest.approx(lp.top_logprobs, abs=1e-5)
+
+
+def test_completion_logprobs_equal_grpc_and_plain_decoding_streaming_or_not(stack, reference, reference_logprobs,
+                                                                            spelling) -> None:
+    tokens, expected = reference_logprobs(reference.encode(PROMPT))
+    generation = grpc_client(stack).generate(PROMPT, max_new_tokens=MAX_NEW, logprobs=LOGPROBS)
+    generation.result()
+    assert generation.token_ids == tokens and len(generation.logprobs) == len(tokens)
+    assert [lp.logprob for lp in generation.logprobs] == pytest.approx([lp.logprob for lp in expected], abs=1e-5)
+    assert_top_alternatives([list(zip(lp.top_token_ids, lp.top_logprobs)) for lp in generation.logprobs], expected)
+    assert grpc_client(stack).generate(PROMPT, max_new_tokens=4).logprobs == []  # none unless asked
+
+    client = oai(stack)
+    reply = client.completions.create(model=model(stack), prompt=PROMPT, max_tokens=MAX_NEW, temperature=0,
+                                      logprobs=LOGPROBS)
+    got = reply.choices[0].logprobs
+    assert got.tokens == [spelling.text(t) for t in tokens]
+    assert got.token_logprobs == pytest.approx([lp.logprob for lp in expected], abs=1e-5)
+    for top, lp in zip(got.top_logprobs, expected):
+        # NOTE: greedy: the chosen token leads its alternatives, so a dict holds the LOGPROBS best alone, the better
+        # of two spelled alike (the tiny model's ids past the tokenizer's vocabulary spell "")
+        spelled = [(spelling.text(i), v) for i, v in zip(lp.top_ids, lp.top_logprobs)]
+        assert top == pytest.approx(dict(reversed(spelled)), abs=1e-5)
+    assert got.text_offset == list(itertools.accumulate(map(len, got.tokens), initial=0))[:-1]
+    assert client.completions.create(model=model(stack), prompt=PROMPT, max_tokens=4).choices[0].logprobs is None
+
+    chunks = list(client.completions.create(model=model(stack), prompt=PROMPT, max_tokens=MAX_NEW, temperature=0,
+                                            logprobs=LOGPROBS, stream=True))
+    streamed = [c.choices[0].logprobs for c in chunks[:-1]]
+    assert [t for s in streamed for t in s.tokens] == got.tokens and chunks[-1].choices[0].logprobs is None
+    assert [o for s in streamed for o in s.text_offset] == got.text_offset
+    assert [v for s in streamed for v in s.token_logprobs] == got.token_logprobs
+    assert "".join(c.choices[0].text for c in chunks) == reply.choices[0].text
+
+
+def test_chat_logprobs_equal_plain_decoding_streaming_or_not(stack, reference, reference_logprobs,
+                                                            spelling) -> None:
+    tokens, expected = reference_logprobs(reference.encode(TEMPLATE.render(CHAT)))
+    client = oai(stack)
+    reply = client.chat.completions.create(model=model(stack), messages=CHAT, max_tokens=MAX_NEW, temperature=0,
+                                           logprobs=True, top_logprobs=2)
+    content = reply.choices[0].logprobs.content
+    assert [c.token for c in content] == [spelling.text(t) for t in tokens]
+    assert [c.bytes for c in content] == [list(spelling.bytes(t)) for t in tokens]
+    assert [c.logprob for c in content] == pytest.approx([lp.logprob for lp in expected], abs=1e-5)
+    two_best = [TokenLogprob(lp.logprob, lp.top_ids[:2], lp.top_logprobs[:2]) for lp in expected]
+    assert_top_alternatives([[(t.token, t.logprob) for t in c.top_logprobs] for c in content], two_best, spelling.text)
+    assert all(t.bytes == list(spelling.bytes(i)) for c, lp in zip(content, two_best)
+               for t, i in zip(c.top_logprobs, lp.top_ids))
+
+    chunks = list(client.chat.completions.create(model=model(stack), messages=CHAT, max_tokens=MAX_NEW,
+                                                 temperature=0, logprobs=True, stream=True))
+    streamed = [e for c in chunks if c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [(e.token, e.bytes, e.logprob) for e in streamed] == [(c.token, c.bytes, c.logprob) for c in content]
+    assert all(e.top_logprobs == [] for e in streamed)  # logprobs without top_logprobs: no alternatives
+
+
 def test_a_long_prompts_prefill_progress_stays_out_of_the_http_api(stack, reference) -> None:
     """Over gRPC a prompt longer than one prefill chunk (256 tokens) sends its prefill's progress before the first
     chunk; over HTTP the same generation is OpenAI's chunks alone, with the same text."""
@@ -146,7 +236,7 @@ def test_a_long_prompts_prefill_progress_stays_out_of_the_http_api(stack, refere
     assert all(c.choices[0].text or c.choices[0].finish_reason for c in chunks)
 
 
-def test_stop_strings_cut_the_text(stack) -> None:
+def test_stop_strings_cut_the_text(stack, spelling) -> None:
     generation = grpc_client(stack).generate(PROMPT, max_new_tokens=40)
     generation.result()
     text = visible(generation)
@@ -157,6 +247,12 @@ def test_stop_strings_cut_the_text(stack) -> None:
     for stops in (stop, [stop, "never in the output"]):
         reply = client.completions.create(model=model(stack), prompt=PROMPT, max_tokens=40, temperature=0, stop=stops)
         assert (reply.choices[0].text, reply.choices[0].finish_reason) == (expected, "stop")
+    reply = client.completions.create(model=model(stack), prompt=PROMPT, max_tokens=40, temperature=0, stop=stop,
+                                      logprobs=0)
+    # NOTE: every generated token has its logprob, the one that completed the stop string too
+    tokens, decode = reply.choices[0].logprobs.tokens, Tokenizer.from_dir(stack.target).decode
+    ids = generation.token_ids[:reply.usage.completion_tokens]
+    assert tokens == [spelling.text(t) for t in ids] and stop in decode(ids) and stop not in decode(ids[:-1])
     chunks = list(client.chat.completions.create(model=model(stack), messages=[{"role": "user", "content": PROMPT}],
                                                  max_tokens=40, temperature=0, stop=stop, stream=True))
     text = "".join(c.choices[0].delta.content or "" for c in chunks)
@@ -218,7 +314,10 @@ def api_error(call) -> openai.APIStatusError:
     ({"max_completion_tokens": 10**6}, 400, "max_completion_tokens"),
     ({"max_tokens": 0}, 400, "max_tokens"),
     ({"n": 2}, 400, "n"),
-    ({"logprobs": True}, 400, "logprobs"),
+    ({"logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
+    ({"logprobs": True, "top_logprobs": -1}, 400, "top_logprobs"),
+    ({"top_logprobs": 2}, 400, "top_logprobs"),
+    ({"logprobs": 2}, 400, "logprobs"),
     ({"stop": [""]}, 400, "stop"),
     ({"messages": []}, 400, "messages"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400,
@@ -236,6 +335,15 @@ def test_bad_chat_requests_get_their_status_and_name_the_field(stack, request_fi
     error = api_error(lambda: oai(stack).chat.completions.create(**fields, extra_body=extension))
     assert error.status_code == status and error.body["param"] == param, error.body
     assert error.body["message"].startswith(f"{param}: ") and error.body["type"]
+
+
+@pytest.mark.parametrize("fields, param", [({"logprobs": 21}, "logprobs"), ({"logprobs": -1}, "logprobs"),
+                                           ({"logprobs": True}, "logprobs"), ({"logprobs": 2**40}, "logprobs"),
+                                           ({"top_logprobs": 2}, "top_logprobs")])
+def test_bad_completion_logprobs_name_the_field(stack, fields: dict, param: str) -> None:
+    error = api_error(lambda: oai(stack).completions.create(model=model(stack), prompt=PROMPT, max_tokens=4,
+                                                            extra_body=fields))
+    assert error.status_code == 400 and error.body["param"] == param, error.body
 
 
 @pytest.mark.parametrize("prompt, status", [("x" * (MAX_CONTEXT + 10), 413), ([7, -1], 400), (["a", "b"], 400),

@@ -1,6 +1,6 @@
 """The logprobs of emitted tokens in the engine: those of the target's raw distribution at the rows plain decoding
 reads (transformers' own logits are the reference), under speculation and decode bursts alike, and nothing
-computed for sessions that do not ask."""
+computed for sessions that do not ask; and how the OpenAI API spells them."""
 
 from __future__ import annotations
 
@@ -11,7 +11,11 @@ import pytest
 import torch
 import transformers
 
+from gateway.openai_logprobs import ChoiceLogprobs, TokenSpelling
+from modeling.tiny import byte_level_tokenizer
+from modeling.tokenizer import Tokenizer
 from modeling.tree import DraftTree
+from proto import common_pb2
 from tests.engine_helpers import burst_to_end, make_engine, run_to_end
 from verifier_service.engine.engine import Engine, StepResult
 from verifier_service.engine.logprobs import TokenLogprob
@@ -171,3 +175,19 @@ def run_greedy(engine: Engine, params: SamplingParams) -> tuple[list[int], list[
 def test_logprobs_out_of_range_are_refused(logprobs: int) -> None:
     with pytest.raises(InvalidArgument, match="logprobs"):
         SamplingParams(logprobs=logprobs).validate()
+
+
+def test_tokens_are_spelled_on_their_own_with_their_raw_bytes() -> None:
+    spelling = TokenSpelling(Tokenizer(byte_level_tokenizer()))  # NOTE: token id b is byte b
+    assert [spelling.text(b) for b in "é".encode()] == ["\\xc3", "\\xa9"]  # neither byte is UTF-8 on its own
+    assert spelling.bytes(0xC3) == b"\xc3" and spelling.text(256) == "<|endoftext|>"
+    assert spelling.entry(ord("a"), -1.5) == {"token": "a", "logprob": -1.5, "bytes": [97]}
+
+
+def test_completions_alternatives_hold_the_chosen_token_and_offsets_run_on_across_chunks() -> None:
+    logprobs = ChoiceLogprobs(TokenSpelling(Tokenizer(byte_level_tokenizer())), chat=False)
+    sampled = common_pb2.TokenLogprob(logprob=-3.0, top_token_ids=[ord("x"), ord("y")], top_logprobs=[-0.5, -1.0])
+    first = logprobs([ord("a"), 0xC3], [sampled, sampled])
+    assert first["tokens"] == ["a", "\\xc3"] and first["token_logprobs"] == [-3.0, -3.0]
+    assert first["top_logprobs"][0] == {"x": -0.5, "y": -1.0, "a": -3.0}  # N best, and the chosen one
+    assert first["text_offset"] == [0, 1] and logprobs([ord("b")], [sampled])["text_offset"] == [5]
