@@ -28,8 +28,9 @@ from modeling.config import ModelConfig
 from modeling.target import CausalLM
 from modeling.tensor_parallel import TensorParallelCausalLM, even_split, kv_share, load_shard, plan_shards, weight_share
 from modeling.tiny import TINY_CONFIGS, make_tiny_target, random_weights
+from modeling.tree import DraftTree
 from proto import common_pb2, verifier_pb2, verifier_pb2_grpc
-from tests.engine_helpers import CausalAttention, make_engine, plain_generate
+from tests.engine_helpers import CausalAttention, make_engine, plain_generate, run_to_end
 from verifier_service.engine.sampling import SamplingParams
 from verifier_service.errors import EngineDown
 from verifier_service.metrics import VerifierMetrics
@@ -316,6 +317,28 @@ def test_plain_decoding_in_bursts_over_two_ranks_equals_one_rank(targets, tmp_pa
         steps = [list(step.token_ids) for step in stub.Generate(request, timeout=120) if not step.HasField("prefill")]
     assert [token for step in steps for token in step] == expected
     assert max(len(step) for step in steps) == 4
+
+
+@pytest.mark.parametrize("drafted", [True, False], ids=["tree-steps", "bursts"])
+def test_logprobs_over_two_ranks_equal_one_rank(drafted: bool, targets, ngram_drafter, tmp_path) -> None:
+    """The vocab is sharded: a greedy step's logprobs gather the asking rows' logits from every rank (Logits)."""
+    reference = make_engine(targets["tiny"])
+    session, _ = reference.create_session(prompt_of(21))
+    reference.start_generation(session.session_id, SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True, logprobs=4))
+    tokens, results = run_to_end(reference, session.session_id, lambda _: DraftTree.empty())
+    expected = [lp for r in results for lp in r.logprobs]
+    with verifier(targets["tiny"], 2, ngram_drafter if drafted else "", tmp_path) as channel:
+        stub = verifier_pb2_grpc.VerifierStub(channel)
+        params = common_pb2.SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True, logprobs=4)
+        request = verifier_pb2.VerifierGenerateRequest(session_id=create(stub, prompt_of(21)), params=params)
+        steps = [step for step in stub.Generate(request, timeout=120) if not step.HasField("prefill")]
+    assert [t for step in steps for t in step.token_ids] == tokens
+    assert (max(step.acceptance_length for step in steps) > 1) if drafted else max(len(s.token_ids) for s in steps) > 1
+    got = [lp for step in steps for lp in step.logprobs]
+    assert [list(lp.top_token_ids) for lp in got] == [list(lp.top_ids) for lp in expected]
+    assert [lp.logprob for lp in got] == pytest.approx([lp.logprob for lp in expected], abs=1e-5)
+    assert [v for lp in got for v in lp.top_logprobs] == pytest.approx(
+        [v for lp in expected for v in lp.top_logprobs], abs=1e-5)
 
 
 def children(pid: int) -> list[int]:
