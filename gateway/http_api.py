@@ -18,7 +18,7 @@ import contextlib
 import json
 import ssl
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import grpc
@@ -116,9 +116,7 @@ class HttpApi:
                     summary = message.summary
                 else:
                     chunks.append(message.chunk)
-            whole = gateway_pb2.GenerateChunk(token_ids=[t for c in chunks for t in c.token_ids],
-                                              logprobs=[lp for c in chunks for lp in c.logprobs])
-            return web.json_response(reply.body("".join(map(text, chunks)), summary, _logprobs_of(logprobs, whole)))
+            return web.json_response(reply.body("".join(map(text, chunks)), summary, _logprobs_of(logprobs, chunks)))
 
     async def _stream(self, request: web.Request, reply: Reply, replies: AsyncIterator[gateway_pb2.GenerateReply],
                       text: _ReplyText, logprobs: ChoiceLogprobs | None) -> web.StreamResponse:
@@ -133,7 +131,7 @@ class HttpApi:
                     for chunk in reply.last_chunks(message.summary):
                         await _send(response, chunk)
                 elif (delta := text(message.chunk)) or message.chunk.logprobs:
-                    await _send(response, reply.chunk({"content": delta}, _logprobs_of(logprobs, message.chunk)))
+                    await _send(response, reply.chunk({"content": delta}, _logprobs_of(logprobs, [message.chunk])))
             await response.write(b"data: [DONE]\n\n")
         except ConnectionResetError:  # the client went away between two writes: as a cancellation
             self._count(grpc.StatusCode.CANCELLED)
@@ -184,9 +182,12 @@ class _ReplyText:
         return chunk.text
 
 
-def _logprobs_of(logprobs: ChoiceLogprobs | None, chunk: gateway_pb2.GenerateChunk) -> dict | None:
-    """The chunk's tokens' logprobs as the choice's `logprobs`; None when the request asked for none."""
-    return None if logprobs is None else logprobs(chunk.token_ids, chunk.logprobs)
+def _logprobs_of(logprobs: ChoiceLogprobs | None, chunks: Sequence[gateway_pb2.GenerateChunk]) -> dict | None:
+    """The chunks' tokens' logprobs as the choice's `logprobs` (a stream chunk's own, or the whole reply's); None
+    when the request asked for none."""
+    if logprobs is None:
+        return None
+    return logprobs([t for c in chunks for t in c.token_ids], [lp for c in chunks for lp in c.logprobs])
 
 
 @contextlib.contextmanager

@@ -62,19 +62,19 @@ def chat_request(body: Any) -> OpenAIRequest:
     if not isinstance(messages, list):
         raise InvalidArgument("messages: must be a list of messages")
     max_field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    return _request(body, "messages", max_field, _chat_logprobs(body),
+    return _request(body, "messages", max_field, ("top_logprobs", _chat_logprobs(body)),
                     messages=tuple(_message(m, i) for i, m in enumerate(messages)))
 
 
-def _chat_logprobs(body: dict) -> tuple[str, int | None]:
-    """Chat's `logprobs: true` with `top_logprobs` alternatives (0 when absent) -> the field that names the number,
-    and the number (None: no logprobs). `top_logprobs` without `logprobs: true` is refused, as by OpenAI."""
+def _chat_logprobs(body: dict) -> int | None:
+    """Chat's `logprobs: true` with `top_logprobs` alternatives (0 when absent); None: no logprobs. `top_logprobs`
+    without `logprobs: true` is refused, as by OpenAI."""
     top = _integer(body, "top_logprobs", None)
     if not _typed(body, "logprobs", bool, False):
         if top is not None:
             raise InvalidArgument("top_logprobs: needs logprobs: true")
-        return "top_logprobs", None
-    return "top_logprobs", 0 if top is None else top
+        return None
+    return 0 if top is None else top
 
 
 def _request(body: dict, prompt_field: str, max_field: str, logprobs: tuple[str, int | None],
@@ -97,8 +97,8 @@ def _request(body: dict, prompt_field: str, max_field: str, logprobs: tuple[str,
              "params.temperature": "temperature", "params.top_p": "top_p", "params.max_new_tokens": max_field,
              "params.stop_strings": "stop", "session": "ddtree.session", "params.logprobs": logprobs[0]}
     return OpenAIRequest(model=_typed(body, "model", str, ""), params=_params(body, max_field, logprobs),
-                         stream=stream,
-                         include_usage=_typed(options, "include_usage", bool, False, "stream_options."), names=names,
+                         stream=stream, names=names,
+                         include_usage=_typed(options, "include_usage", bool, False, "stream_options."),
                          session=session, keep_session=_typed(extension, "keep_session", bool, False, "ddtree."),
                          fork=fork, **prompt)
 

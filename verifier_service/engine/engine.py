@@ -493,10 +493,10 @@ class Engine:
             chosen.append(ids)
             features.append(step_features)
             logprobs.append(step_logprobs)
+        stacked = None if logprobs[0] is None else RowLogprobs.stacked(logprobs)  # each asking session's steps
+        asks = [g.params.logprobs for g in generations]
         # NOTE: the burst's one wait for the GPU
-        tokens, per_session = read_back(torch.stack(chosen, dim=1), None if logprobs[0] is None else
-                                        RowLogprobs.stacked(logprobs), [g.params.logprobs for g in generations],
-                                        [steps] * len(sessions))
+        tokens, per_session = read_back(torch.stack(chosen, dim=1), stacked, asks, [steps] * len(sessions))
         per_row = None if features[0] is None else torch.stack(features, dim=1)  # [B, steps, F]
 
         results = []
