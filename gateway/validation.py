@@ -11,6 +11,7 @@ from proto import common_pb2
 
 MAX_LOGPROBS = 20  # NOTE: alternatives per emitted token (proto/common.proto), as the verifier's engine allows
 
+
 def check_prompt_text(text: str, token_ids: Sequence[int], max_bytes: int | None) -> None:
     """The cheap checks, before any tokenization: one source, and not more bytes than a prompt that fits can
     have (a tokenizer takes seconds over megabytes)."""

@@ -113,6 +113,26 @@ def test_burst_logprobs_equal_single_steps(tiny_target, params) -> None:
                                torch.tensor([lp.logprob for lp in expected_logprobs]), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.gpu
+def test_logprobs_on_the_gpu_under_graphs_speculation_and_bursts(tiny_target, hf_logprobs) -> None:
+    """The CUDA paths: graph replays beside the logits of the asking rows, the non-blocking read-back, bursts;
+    against transformers' fp32 on the CPU (the kernels sum in another order: a looser bound)."""
+    engine = make_engine(tiny_target, device="cuda", attention="triton", max_tree_nodes=64)
+    plain, plain_logprobs, _ = generate(engine, GREEDY_LP)
+    speculative, spec_logprobs, results = generate(engine, GREEDY_LP, planted_trees(plain))
+    assert speculative == plain and any(r.acceptance_length > 2 for r in results)
+    session, _ = engine.create_session(PROMPT)
+    engine.start_generation(session.session_id, GREEDY_LP)
+    first = engine.step([(session.session_id, DraftTree.empty())])
+    bursts = first + burst_to_end(engine, [session.session_id], steps=8)[session.session_id]
+    assert [t for r in bursts for t in r.emitted] == plain and max(len(r.emitted) for r in bursts) == 8
+    reference = hf_logprobs(PROMPT + plain)[len(PROMPT) - 1:][: len(plain)]
+    expected = reference.gather(-1, torch.tensor(plain)[:, None])[:, 0]
+    for logprobs in (plain_logprobs, spec_logprobs, logprobs_of(bursts)):
+        torch.testing.assert_close(torch.tensor([lp.logprob for lp in logprobs]), expected, atol=1e-2, rtol=1e-2)
+        assert all(lp.top_ids[0] == token for token, lp in zip(plain, logprobs))
+
+
 def step_together(engine: Engine, params: list[SamplingParams], trees) -> list[list[StepResult]]:
     """Sessions on PROMPT-like prompts stepped in one batch until all finish; each session's results."""
     ids = []
