@@ -193,7 +193,8 @@ def test_completion_logprobs_equal_grpc_and_plain_decoding_streaming_or_not(stac
     streamed = [c.choices[0].logprobs for c in chunks[:-1]]
     assert [t for s in streamed for t in s.tokens] == got.tokens and chunks[-1].choices[0].logprobs is None
     assert [o for s in streamed for o in s.text_offset] == got.text_offset
-    assert [v for s in streamed for v in s.token_logprobs] == got.token_logprobs
+    # NOTE: another call runs in other batches (the n-gram drafter's trees differ): equal up to the sums' order
+    assert [v for s in streamed for v in s.token_logprobs] == pytest.approx(got.token_logprobs, abs=1e-5)
     assert "".join(c.choices[0].text for c in chunks) == reply.choices[0].text
 
 
@@ -215,7 +216,8 @@ def test_chat_logprobs_equal_plain_decoding_streaming_or_not(stack, reference, r
     chunks = list(client.chat.completions.create(model=model(stack), messages=CHAT, max_tokens=MAX_NEW,
                                                  temperature=0, logprobs=True, stream=True))
     streamed = [e for c in chunks if c.choices[0].logprobs for e in c.choices[0].logprobs.content]
-    assert [(e.token, e.bytes, e.logprob) for e in streamed] == [(c.token, c.bytes, c.logprob) for c in content]
+    assert [(e.token, e.bytes) for e in streamed] == [(c.token, c.bytes) for c in content]
+    assert [e.logprob for e in streamed] == pytest.approx([c.logprob for c in content], abs=1e-5)
     assert all(e.top_logprobs == [] for e in streamed)  # logprobs without top_logprobs: no alternatives
 
 
