@@ -25,7 +25,7 @@ class OutputText:
         """The next delta; `final` releases the held-back tail."""
         if self._stopped:
             return ""
-        text = self._held + self._stream.push(list(token_ids))
+        text = self._held + self._stream.push(list(token_ids), final)
         hits = [i for i in (text.find(s) for s in self._stops) if i >= 0]
         if hits:
             self._stopped, self._held = True, ""

@@ -70,11 +70,13 @@ class TextStream:
         self.prefix_offset = 0  # ids[prefix_offset:read_offset] give context, already handed out
         self.read_offset = 0  # ids from here on are not handed out yet
 
-    def push(self, new_ids: list[int]) -> str:
+    def push(self, new_ids: list[int], final: bool = False) -> str:
+        """The text the ids since the last delta add; `final` (no ids follow) hands out an incomplete character too,
+        as `decode` spells it, so that the deltas add up to the whole text however the ids came."""
         self.ids.extend(new_ids)
         seen = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset])
         text = self.tokenizer.decode(self.ids[self.prefix_offset:])
-        if len(text) <= len(seen) or text.endswith("\ufffd"):
+        if not final and (len(text) <= len(seen) or text.endswith("\ufffd")):
             return ""  # a multi-byte character is still being completed
         self.prefix_offset = max(self.read_offset, len(self.ids) - self.CONTEXT_TOKENS)
         self.read_offset = len(self.ids)

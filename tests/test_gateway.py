@@ -603,6 +603,11 @@ def test_text_stream_decodes_incrementally_and_exactly(env) -> None:
     deltas = [stream.push([b]) for b in text.encode()]
     assert "".join(deltas) == text
     assert max(decoded_lengths) <= 2 * TextStream.CONTEXT_TOKENS + 4  # not the whole output each time
+    cut = list("日本".encode())[:4]  # the end of a generation can cut a character short
+    for pushes in ([cut[:2], cut[2:]], [cut[:3], cut[3:]], [cut]):
+        stream = TextStream(tokenizer)
+        deltas = [stream.push(ids, final=i == len(pushes) - 1) for i, ids in enumerate(pushes)]
+        assert "".join(deltas) == decode(cut)
 
 
 def test_new_sessions_avoid_a_verifier_that_is_not_serving(env) -> None:
