@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import functools
 import logging
 import time
@@ -21,6 +22,7 @@ import grpc
 
 from gateway import validation
 from gateway.chat_template import ChatTemplate
+from gateway.choices import choice_params, interleaved
 from gateway.config import GatewayConfig
 from gateway.errors import InvalidArgument, NoVerifier, QuotaExceeded, SessionBusy, SessionNotFound, TooManySessions
 from gateway.generation import Relay
@@ -199,6 +201,38 @@ class GatewayService:
             if not keep or (fresh and not relay.steps):  # NOTE: as a failed CreateSession keeps nothing
                 await self._forget(handle, caller.owner, release=relay.stop_reason is None)
         yield relay.summary(handle if keep else "", prompt_tokens=len(prompt))
+
+    async def generate_choices(self, caller: Caller, prompt: list[int], params: common_pb2.SamplingParams, n: int,
+                               handle: str, keep_session: bool,
+                               fork: bool = False) -> AsyncIterator[tuple[int, gateway_pb2.GenerateReply]]:
+        """`n` generations of one prompt (OpenAI's `n` choices), their replies interleaved as they come, each with
+        its choice's index. One is `generate` itself. More run together, each as `generate` on a fork released at
+        its end: forks of `handle` (which stays as it was, `fork` or not), each appending `prompt` itself; without
+        a handle, forks of a new session of `prompt`, prefilled once for them all and released last. Choice i
+        samples with seed + i (gateway/choices.py). The first failure ends every choice (each releases its fork)
+        and is raised once."""
+        validation.check_choices(n, keep_session)
+        if n == 1:
+            async with contextlib.aclosing(self.generate(caller, prompt, params, handle, keep_session, fork)) as one:
+                async for reply in one:
+                    yield 0, reply
+            return
+        fresh = not handle
+        self.registry.check_room(caller.account, n + 1 if fresh else n)  # NOTE: each fork, and the prompt's session
+        if fresh:
+            handle = (await self.create_session(caller, prompt)).session.session
+        try:
+            append = [] if fresh else prompt
+            choices = [self.generate(caller, append, choice_params(params, i), handle, keep_session=False, fork=True)
+                       for i in range(n)]
+            async with contextlib.aclosing(interleaved(choices)) as replies:
+                async for index, reply in replies:
+                    if reply.HasField("summary"):
+                        reply.summary.prompt_tokens = len(prompt)  # NOTE: what this call prefilled, for all choices
+                    yield index, reply
+        finally:
+            if fresh:
+                await self._forget(handle, caller.owner, release=True)
 
     # -- model and service
 

@@ -63,15 +63,16 @@ class SessionRegistry:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def can_create(self, account: str | None) -> bool:
-        return len(self.of_account(account)) < self.max_sessions_per_key
+    def can_create(self, account: str | None, sessions: int = 1) -> bool:
+        return len(self.of_account(account)) + sessions <= self.max_sessions_per_key
 
-    def check_room(self, account: str | None) -> None:
-        """Raise TooManySessions when the account is full: checked before the (costly) prefill, and again
-        by `create`."""
-        if not self.can_create(account):
-            raise TooManySessions(f"session: the caller already holds {self.max_sessions_per_key} sessions, its "
-                                  "limit; release one first")
+    def check_room(self, account: str | None, sessions: int = 1) -> None:
+        """Raise TooManySessions when the account has no room for `sessions` more: checked before the (costly)
+        prefill, and again by `create`."""
+        if not self.can_create(account, sessions):
+            raise TooManySessions(f"session: the caller holds {len(self.of_account(account))} sessions of its limit "
+                                  f"of {self.max_sessions_per_key} and the call needs {sessions} more; release one "
+                                  "first")
 
     def create(self, owner: str | None, verifier: str, verifier_session_id: str, *, account: str | None,
                tokens: int = 0) -> SessionEntry:

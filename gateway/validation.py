@@ -10,6 +10,9 @@ from gateway.errors import InvalidArgument, PromptTooLong
 from proto import common_pb2
 
 MAX_LOGPROBS = 20  # NOTE: alternatives per emitted token (proto/common.proto), as the verifier's engine allows
+# Choices of one request (OpenAI's `n`), as many generations at once: each also holds a session of the caller's quota
+# while it runs (docs/limits.md), which bounds them further.
+MAX_CHOICES = 16
 
 
 def check_prompt_text(text: str, token_ids: Sequence[int], max_bytes: int | None) -> None:
@@ -68,6 +71,15 @@ def checked_params(params: common_pb2.SamplingParams, config: GatewayConfig,
     checked.CopyFrom(params)
     checked.max_new_tokens = params.max_new_tokens or config.default_max_new_tokens
     return checked
+
+
+def check_choices(n: int, keep_session: bool) -> None:
+    """1 to MAX_CHOICES; more than one only when no session is kept, since a session continues one generation
+    and nothing says which of the n it would be."""
+    _check_range("n", n, 1, MAX_CHOICES)
+    if n > 1 and keep_session:
+        raise InvalidArgument(f"n: {n} choices with keep_session: a kept session continues one generation, and "
+                              "nothing says which; ask for n = 1 to keep a session")
 
 
 def check_tree_budget(tree_budget: int) -> None:
