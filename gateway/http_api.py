@@ -9,6 +9,9 @@ event instead.
 Sessions (KV state handles) through the "ddtree" request field: `session` continues one, `keep_session` keeps a
 new one (or the fork), `fork` continues a fork of `session` and leaves it as it was. The reply's "ddtree"
 object names the session it lives on. `DELETE /v1/sessions/{session}` releases one.
+
+`n` choices are n generations on forks of one session (GatewayService.generate_choices), their chunks interleaved
+in a stream as they come, each naming its choice's `index`.
 """
 
 from __future__ import annotations
@@ -102,36 +105,45 @@ class HttpApi:
                         endpoint: Endpoint) -> web.StreamResponse:
         params = self.service.params(parsed.params)
         model = self.service.model_info()
-        reply = Reply(endpoint, model.name, parsed.include_usage)
+        reply = Reply(endpoint, model.name, parsed.n, parsed.include_usage)
         text = _ReplyText(self.service, set(model.eos_token_ids))
-        logprobs = ChoiceLogprobs(self.spelling, endpoint.chat) if params.HasField("logprobs") else None
-        replies = self.service.generate(caller, prompt, params, parsed.session, parsed.keep_session, parsed.fork)
+        # NOTE: one per choice: a completion's text offsets run on across its own chunks
+        logprobs = [ChoiceLogprobs(self.spelling, endpoint.chat) if params.HasField("logprobs") else None
+                    for _ in range(parsed.n)]
+        replies = self.service.generate_choices(caller, prompt, params, parsed.n, parsed.session, parsed.keep_session,
+                                                parsed.fork)
         async with contextlib.aclosing(replies):
             started = await _started(replies)  # NOTE: a failure before any output is the reply's own status
             if parsed.stream:
                 return await self._stream(request, reply, started, text, logprobs)
-            chunks, summary = [], None
-            async for message in started:
+            chunks: list[list[gateway_pb2.GenerateChunk]] = [[] for _ in range(parsed.n)]
+            summaries: dict[int, gateway_pb2.GenerateSummary] = {}
+            async for index, message in started:
                 if message.HasField("summary"):
-                    summary = message.summary
+                    summaries[index] = message.summary
                 else:
-                    chunks.append(message.chunk)
-            return web.json_response(reply.body("".join(map(text, chunks)), summary, _logprobs_of(logprobs, chunks)))
+                    chunks[index].append(message.chunk)
+            return web.json_response(reply.body(["".join(map(text, c)) for c in chunks],
+                                                [summaries[i] for i in range(parsed.n)],
+                                                [_logprobs_of(lp, c) for lp, c in zip(logprobs, chunks)]))
 
-    async def _stream(self, request: web.Request, reply: Reply, replies: AsyncIterator[gateway_pb2.GenerateReply],
-                      text: _ReplyText, logprobs: ChoiceLogprobs | None) -> web.StreamResponse:
-        """Server-sent events: OpenAI's chunks, then `data: [DONE]`; a failure is the last event instead."""
+    async def _stream(self, request: web.Request, reply: Reply,
+                      replies: AsyncIterator[tuple[int, gateway_pb2.GenerateReply]], text: _ReplyText,
+                      logprobs: Sequence[ChoiceLogprobs | None]) -> web.StreamResponse:
+        """Server-sent events: OpenAI's chunks, each of one choice as its tokens come, then `data: [DONE]`; a failure
+        is the last event instead."""
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
-        if reply.endpoint.chat:
-            await _send(response, reply.chunk({"role": "assistant", "content": ""}))
+        for chunk in reply.first_chunks():
+            await _send(response, chunk)
         try:
-            async for message in replies:
+            async for index, message in replies:
                 if message.HasField("summary"):
-                    for chunk in reply.last_chunks(message.summary):
+                    for chunk in reply.last_chunks(index, message.summary):
                         await _send(response, chunk)
                 elif (delta := text(message.chunk)) or message.chunk.logprobs:
-                    await _send(response, reply.chunk({"content": delta}, _logprobs_of(logprobs, [message.chunk])))
+                    await _send(response, reply.chunk(index, {"content": delta},
+                                                      _logprobs_of(logprobs[index], [message.chunk])))
             await response.write(b"data: [DONE]\n\n")
         except ConnectionResetError:  # the client went away between two writes: as a cancellation
             self._count(grpc.StatusCode.CANCELLED)
@@ -203,19 +215,19 @@ def _named_as(names: Mapping[str, str]) -> Iterator[None]:
         raise type(error)(f"{names[field]}: {rest}") from None
 
 
-async def _started(replies: AsyncIterator[Any]) -> AsyncIterator[Any]:
-    """`replies` without prefill progress (OpenAI's replies have no place for it), with its first output awaited now,
-    so that a failure before any output raises here: a prompt that waited for KV pages in vain is a 429, not an
-    error event after a 200."""
+async def _started(replies: AsyncIterator[tuple[int, Any]]) -> AsyncIterator[tuple[int, Any]]:
+    """`replies` (each with its choice's index) without prefill progress (OpenAI's replies have no place for it),
+    with the first output awaited now, so that a failure before any output raises here: a prompt that waited for KV
+    pages in vain is a 429, not an error event after a 200."""
     first = await anext(replies)
-    while first.HasField("prefill"):
+    while first[1].HasField("prefill"):
         first = await anext(replies)
 
-    async def chained() -> AsyncIterator[Any]:
+    async def chained() -> AsyncIterator[tuple[int, Any]]:
         yield first
-        async for message in replies:
+        async for index, message in replies:
             if not message.HasField("prefill"):
-                yield message
+                yield index, message
     return chained()
 
 

@@ -18,7 +18,7 @@ from proto import common_pb2
 
 # Fields this server does not implement: a request may send them only with a value that asks for nothing.
 _NO_OP_VALUES: dict[str, tuple[Any, ...]] = {
-    "n": (None, 1), "best_of": (None, 1), "echo": (None, False), "suffix": (None, ""),
+    "best_of": (None, 1), "echo": (None, False), "suffix": (None, ""),
     "logit_bias": (None, {}), "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
     "tools": (None, []), "functions": (None, []), "tool_choice": (None, "none", "auto"),
     "response_format": (None, {"type": "text"}),
@@ -30,10 +30,12 @@ _INT32 = 2**31
 @dataclass(frozen=True)
 class OpenAIRequest:
     """One completion or chat completion request: the prompt (text, token ids or messages), its sampling
-    parameters, how to answer, and the "ddtree" extension (a session to continue, keep or fork)."""
+    parameters, how many choices, how to answer, and the "ddtree" extension (a session to continue, keep or
+    fork)."""
 
     model: str
     params: common_pb2.SamplingParams
+    n: int
     stream: bool
     include_usage: bool
     names: Mapping[str, str]
@@ -97,7 +99,7 @@ def _request(body: dict, prompt_field: str, max_field: str, logprobs: tuple[str,
              "params.temperature": "temperature", "params.top_p": "top_p", "params.max_new_tokens": max_field,
              "params.stop_strings": "stop", "session": "ddtree.session", "params.logprobs": logprobs[0]}
     return OpenAIRequest(model=_typed(body, "model", str, ""), params=_params(body, max_field, logprobs),
-                         stream=stream, names=names,
+                         n=_integer(body, "n", 1), stream=stream, names=names,
                          include_usage=_typed(options, "include_usage", bool, False, "stream_options."),
                          session=session, keep_session=_typed(extension, "keep_session", bool, False, "ddtree."),
                          fork=fork, **prompt)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from proto import common_pb2, gateway_pb2
@@ -26,62 +27,88 @@ class Endpoint:
     def chunk_object(self) -> str:
         return "chat.completion.chunk" if self.chat else "text_completion"
 
-    def choice(self, text: str, finish_reason: str | None, logprobs: dict | None = None) -> dict:
+    def choice(self, index: int, text: str, finish_reason: str | None, logprobs: dict | None = None) -> dict:
         """`logprobs`: gateway/openai_logprobs.py's object, when the request asked for them."""
         content = {"message": {"role": "assistant", "content": text}} if self.chat else {"text": text}
-        return {"index": 0, **content, "logprobs": logprobs, "finish_reason": finish_reason}
+        return {"index": index, **content, "logprobs": logprobs, "finish_reason": finish_reason}
 
-    def delta(self, fields: dict, finish_reason: str | None = None, logprobs: dict | None = None) -> dict:
+    def delta(self, index: int, fields: dict, finish_reason: str | None = None, logprobs: dict | None = None) -> dict:
         """A stream choice: `fields` of the assistant message (chat) or `{"text": ...}` (completions), and the
         logprobs of the chunk's own tokens when asked for."""
         content = {"delta": fields} if self.chat else {"text": fields.get("content", "")}
-        return {"index": 0, **content, "logprobs": logprobs, "finish_reason": finish_reason}
+        return {"index": index, **content, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
 COMPLETIONS = Endpoint(chat=False)
 CHAT = Endpoint(chat=True)
 
 
-def usage(summary: gateway_pb2.GenerateSummary) -> dict:
-    """OpenAI's usage: the prompt is the whole context the reply follows; what a session already held (or a
-    fork shared) is `cached_tokens`, prefilled before this call."""
-    prompt = summary.session_tokens - summary.generated_tokens
-    return {"prompt_tokens": prompt, "completion_tokens": summary.generated_tokens,
-            "total_tokens": summary.session_tokens,
-            "prompt_tokens_details": {"cached_tokens": prompt - summary.prompt_tokens}}
+def usage(summaries: Sequence[gateway_pb2.GenerateSummary]) -> dict:
+    """OpenAI's usage: the prompt once, the whole context the choices follow (the same for all); what a session
+    already held (or a fork shared) is `cached_tokens`, prefilled before this call. The completion counts every
+    choice's tokens."""
+    first = summaries[0]
+    prompt = first.session_tokens - first.generated_tokens
+    completion = sum(s.generated_tokens for s in summaries)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": prompt - first.prompt_tokens}}
 
 
-def extension(summary: gateway_pb2.GenerateSummary) -> dict:
-    """The "ddtree" object of a reply: the session it lives on (when kept) and the speculation's figures."""
-    return {"session": summary.session or None, "steps": summary.steps,
-            "mean_acceptance_length": round(summary.mean_acceptance_length, 4)}
+def extension(summaries: Sequence[gateway_pb2.GenerateSummary]) -> dict:
+    """The "ddtree" object of a reply: the session it lives on (when kept: one choice alone can be) and the
+    speculation's figures over every choice's steps."""
+    steps = sum(s.steps for s in summaries)
+    accepted = sum(s.mean_acceptance_length * s.steps for s in summaries)
+    return {"session": summaries[0].session or None, "steps": steps,
+            "mean_acceptance_length": round(accepted / steps, 4) if steps else 0.0}
+
+
+def _finish_reason(summary: gateway_pb2.GenerateSummary) -> str:
+    """OpenAI's name for why a choice ended ("stop" for a stop token or string, "length" at a limit)."""
+    return FINISH_REASONS.get(summary.stop_reason, "stop")
 
 
 class Reply:
-    """One response's id, creation time and model, shared by its body or by every chunk of its stream."""
+    """One response's id, creation time, model and number of choices, shared by its body or by every chunk of its
+    stream; a stream's choices end in any order, and the last one's end ends the reply."""
 
-    def __init__(self, endpoint: Endpoint, model: str, include_usage: bool = False):
+    def __init__(self, endpoint: Endpoint, model: str, n: int = 1, include_usage: bool = False):
         self.endpoint = endpoint
+        self.n = n
         self.include_usage = include_usage
         self._head = {"id": f"{'chatcmpl' if endpoint.chat else 'cmpl'}-{uuid.uuid4().hex}",
                       "created": int(time.time()), "model": model}
+        self._ended: dict[int, gateway_pb2.GenerateSummary] = {}
 
-    def body(self, text: str, summary: gateway_pb2.GenerateSummary, logprobs: dict | None = None) -> dict:
-        """The non-streaming response."""
-        choice = self.endpoint.choice(text, FINISH_REASONS.get(summary.stop_reason, "stop"), logprobs)
-        return {**self._head, "object": self.endpoint.object, "choices": [choice], "usage": usage(summary),
-                "ddtree": extension(summary)}
+    def body(self, texts: Sequence[str], summaries: Sequence[gateway_pb2.GenerateSummary],
+             logprobs: Sequence[dict | None]) -> dict:
+        """The non-streaming response: choice i of `texts[i]`, `summaries[i]` and `logprobs[i]`."""
+        choices = [self.endpoint.choice(i, text, _finish_reason(summary), lp)
+                   for i, (text, summary, lp) in enumerate(zip(texts, summaries, logprobs))]
+        return {**self._head, "object": self.endpoint.object, "choices": choices, "usage": usage(summaries),
+                "ddtree": extension(summaries)}
 
-    def chunk(self, fields: dict, logprobs: dict | None = None) -> dict:
-        """A stream chunk carrying `fields` of the reply (the role first, then content) and its tokens' logprobs."""
-        return self._chunk([self.endpoint.delta(fields, logprobs=logprobs)])
+    def first_chunks(self) -> list[dict]:
+        """A chat stream's chunks with each choice's role, ahead of any content; none for completions."""
+        if not self.endpoint.chat:
+            return []
+        return [self.chunk(i, {"role": "assistant", "content": ""}) for i in range(self.n)]
 
-    def last_chunks(self, summary: gateway_pb2.GenerateSummary) -> list[dict]:
-        """The chunk with the finish reason and the "ddtree" object, then the usage chunk when asked for."""
-        finish = self.endpoint.delta({}, FINISH_REASONS.get(summary.stop_reason, "stop"))
-        chunks = [{**self._chunk([finish]), "ddtree": extension(summary)}]
+    def chunk(self, index: int, fields: dict, logprobs: dict | None = None) -> dict:
+        """A stream chunk carrying `fields` of choice `index` (content) and its tokens' logprobs."""
+        return self._chunk([self.endpoint.delta(index, fields, logprobs=logprobs)])
+
+    def last_chunks(self, index: int, summary: gateway_pb2.GenerateSummary) -> list[dict]:
+        """The chunk with choice `index`'s finish reason; once every choice has ended, it also carries the "ddtree"
+        object, and the usage chunk follows when asked for."""
+        self._ended[index] = summary
+        finish = self._chunk([self.endpoint.delta(index, {}, _finish_reason(summary))])
+        if len(self._ended) < self.n:
+            return [finish]
+        summaries = [self._ended[i] for i in range(self.n)]
+        chunks = [{**finish, "ddtree": extension(summaries)}]
         if self.include_usage:
-            chunks.append({**self._chunk([]), "usage": usage(summary)})
+            chunks.append({**self._chunk([]), "usage": usage(summaries)})
         return chunks
 
     def _chunk(self, choices: list[dict]) -> dict:

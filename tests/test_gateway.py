@@ -663,6 +663,54 @@ def test_a_failure_after_the_first_chunk_is_the_http_streams_last_event(env) -> 
     assert wait_for(lambda: not fake_a.sessions)
 
 
+def http_events(gateway: RunningGateway, route: str, body: dict) -> list[Any]:
+    """A streamed HTTP request's server-sent events, raw: each JSON payload, or the string "[DONE]"."""
+    request = urllib.request.Request(f"http://127.0.0.1:{gateway.http_port}/v1/{route}", method="POST",
+                                     data=json.dumps(body).encode(), headers={"Authorization": "Bearer k-alice"})
+    with urllib.request.urlopen(request, timeout=10) as response:
+        payloads = [e.removeprefix("data: ") for e in response.read().decode().split("\n\n") if e]
+    return [p if p == "[DONE]" else json.loads(p) for p in payloads]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_failed_choice_ends_every_choice_and_releases_every_fork(env, stream: bool) -> None:
+    """One of n choices fails (the verifier refuses its generation): the others are cancelled, the failure is the
+    reply's status, or a stream's one last event, and neither a fork nor the prompt's session stays."""
+    fake_a = env.fakes[0]
+    http = openai.OpenAI(base_url=f"http://127.0.0.1:{env.keyed.http_port}/v1", api_key="k-alice", max_retries=0)
+    cancelled = len(fake_a.cancelled)
+    # NOTE: the other choices are still generating when one fails, and their first tokens are out before its failure
+    # reaches the reply (it releases its fork first): a stream's error is its last event
+    fake_a.step_delay_s = 0.01
+    fake_a.fail_next["Generate"] = Code.UNAVAILABLE
+    try:
+        if stream:
+            events = http_events(env.keyed, "completions", {"prompt": "abc", "max_tokens": 50, "n": 3, "stream": True})
+            assert "[DONE]" not in events and [e for e in events if "error" in e] == [events[-1]]
+            assert events[-1]["error"]["code"] == "unavailable"
+        else:
+            with pytest.raises(openai.APIStatusError) as caught:
+                http.completions.create(model="fake", prompt="abc", max_tokens=50, n=3)
+            assert caught.value.status_code == 503
+    finally:
+        fake_a.step_delay_s = 0.0
+    assert wait_for(lambda: not fake_a.sessions and len(fake_a.cancelled) == cancelled + 2)
+    assert not env.keyed.service.registry.on_verifier(env.keyed.service.pool.addresses[0])
+
+
+def test_choices_count_each_fork_against_the_kv_quota(env) -> None:
+    """A fork counts the prompt's whole length (docs/limits.md): a 2500-token prompt and 3 choices of 200 tokens
+    ask for 4 x 2500 + 3 x 200 of alice's 8000 KV tokens, too many; 2 choices for 3 x 2500 + 2 x 200."""
+    http = openai.OpenAI(base_url=f"http://127.0.0.1:{env.keyed.http_port}/v1", api_key="k-alice", max_retries=0)
+    prompt = [97] * 2500
+    two = http.completions.create(model="fake", prompt=prompt, max_tokens=200, n=2)
+    assert [c.text for c in two.choices] == [(REPLY * 4)[:200]] * 2 and two.usage.completion_tokens == 400
+    with pytest.raises(openai.RateLimitError) as caught:
+        http.completions.create(model="fake", prompt=prompt, max_tokens=200, n=3)
+    assert caught.value.body["message"].startswith("kv quota: ")
+    assert wait_for(lambda: not env.fakes[0].sessions)
+
+
 def test_an_http_body_over_the_message_limit_is_413_in_openais_shape(env) -> None:
     request = urllib.request.Request(f"http://127.0.0.1:{env.keyed.http_port}/v1/completions",
                                      data=json.dumps({"prompt": "x" * MAX_MESSAGE}).encode(), method="POST",

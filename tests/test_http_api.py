@@ -315,7 +315,11 @@ def api_error(call) -> openai.APIStatusError:
     ({"max_tokens": 10**6}, 400, "max_tokens"),
     ({"max_completion_tokens": 10**6}, 400, "max_completion_tokens"),
     ({"max_tokens": 0}, 400, "max_tokens"),
-    ({"n": 2}, 400, "n"),
+    ({"n": 0}, 400, "n"),
+    ({"n": 17}, 400, "n"),
+    ({"n": 2.5}, 400, "n"),
+    ({"n": "2"}, 400, "n"),
+    ({"n": 2, "ddtree": {"keep_session": True}}, 400, "n"),
     ({"logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
     ({"logprobs": True, "top_logprobs": -1}, 400, "top_logprobs"),
     ({"top_logprobs": 2}, 400, "top_logprobs"),
@@ -414,18 +418,18 @@ def test_prefill_progress_is_no_output_so_a_failure_after_it_is_the_replys_own_s
     """A prompt that reports its prefill (at 0 tokens while it waits for KV pages) and then fails before any token:
     the failure comes out of `_started`, before the reply's status line is written (a 429, not an error event)."""
     async def replies():
-        yield gateway_pb2.GenerateReply(prefill=common_pb2.PrefillProgress(prefilled_tokens=0, total_tokens=30))
+        yield 0, gateway_pb2.GenerateReply(prefill=common_pb2.PrefillProgress(prefilled_tokens=0, total_tokens=30))
         raise QuotaExceeded("KV cache full: waited 60 s")
 
     async def outputs():
-        yield gateway_pb2.GenerateReply(prefill=common_pb2.PrefillProgress(prefilled_tokens=0, total_tokens=30))
-        yield gateway_pb2.GenerateReply(chunk=gateway_pb2.GenerateChunk(token_ids=[5]))
-        yield gateway_pb2.GenerateReply(prefill=common_pb2.PrefillProgress(prefilled_tokens=10, total_tokens=30))
+        yield 0, gateway_pb2.GenerateReply(prefill=common_pb2.PrefillProgress(prefilled_tokens=0, total_tokens=30))
+        yield 1, gateway_pb2.GenerateReply(chunk=gateway_pb2.GenerateChunk(token_ids=[5]))
+        yield 0, gateway_pb2.GenerateReply(prefill=common_pb2.PrefillProgress(prefilled_tokens=10, total_tokens=30))
 
     with pytest.raises(QuotaExceeded):
         asyncio.run(_started(replies()))
 
     async def read() -> list:
-        return [message async for message in await _started(outputs())]
+        return [(index, message) async for index, message in await _started(outputs())]
 
-    assert [message.WhichOneof("kind") for message in asyncio.run(read())] == ["chunk"]
+    assert [(index, message.WhichOneof("kind")) for index, message in asyncio.run(read())] == [(1, "chunk")]
