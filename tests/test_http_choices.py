@@ -204,7 +204,7 @@ def test_choices_on_a_session_fork_it_and_leave_it_as_it_was(stack) -> None:
 def test_choices_count_against_the_session_quota(stack) -> None:
     error = pytest.raises(openai.RateLimitError, oai(stack).completions.create, model=model(stack), prompt=PROMPT,
                           max_tokens=4, n=MAX_SESSIONS)
-    assert "sessions" in error.value.body["message"]
+    assert error.value.body["message"].startswith("session: ") and "needs 5 more" in error.value.body["message"]
     assert_no_session_left(stack)
 
 
