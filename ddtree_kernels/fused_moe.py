@@ -57,6 +57,11 @@ class ExpertBlocks:
 TILE_ELEMENTS = 8192
 
 
+# NOTE: up to this many pairs (a verify step of 16 tokens routed to 8 experts and a shared one: 144) the layout
+# counts every pair's place at once (`_expert_blocks_ranked_kernel`, [pairs, pairs] comparisons in tiles)
+RANKED_MAX_PAIRS = 256
+
+
 # NOTE: the layout kernel is one program walking the pairs in sequence: as CUDA-graph replays on an H100, 26 us for
 # 256 pairs (the sort: 79), 96 for 1536 (99), 234 for 4096 (109), 912 for 16k (159); beyond this many a sort does it
 LAYOUT_KERNEL_MAX_PAIRS = 1536
@@ -74,10 +79,17 @@ def expert_blocks(ids: torch.Tensor, first_expert: int, num_experts: int, block_
     expert, start, end = torch.empty(3, max_blocks, dtype=torch.int32, device=ids.device)
     if max_blocks:
         bins = triton.next_power_of_2(num_experts + 1)
-        _expert_blocks_kernel[(1,)](
-            ids.contiguous(), order, expert, start, end, num_pairs, first_expert, max_blocks,
-            NUM_EXPERTS=num_experts, EXPERTS_PAD=bins, BLOCK_M=block_m,
-            BLOCK_PAIRS=max(16, min(128, TILE_ELEMENTS // bins)), num_warps=8)
+        block_pairs = max(16, min(128, TILE_ELEMENTS // bins))
+        if num_pairs <= RANKED_MAX_PAIRS:
+            pairs = triton.next_power_of_2(num_pairs)
+            _expert_blocks_ranked_kernel[(1,)](
+                ids.contiguous(), order, expert, start, end, num_pairs, first_expert, max_blocks,
+                NUM_EXPERTS=num_experts, EXPERTS_PAD=bins, BLOCK_M=block_m, PAIRS=pairs,
+                COLUMNS=max(1, min(pairs, TILE_ELEMENTS // pairs)), BLOCK_PAIRS=block_pairs, num_warps=8)
+        else:
+            _expert_blocks_kernel[(1,)](
+                ids.contiguous(), order, expert, start, end, num_pairs, first_expert, max_blocks,
+                NUM_EXPERTS=num_experts, EXPERTS_PAD=bins, BLOCK_M=block_m, BLOCK_PAIRS=block_pairs, num_warps=8)
     return ExpertBlocks(order, expert, start, end)
 
 
@@ -121,8 +133,8 @@ def _expert_blocks_kernel(
     NUM_EXPERTS: tl.constexpr, EXPERTS_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_PAIRS: tl.constexpr,
 ):
     """One program: the pairs counted per expert (bin NUM_EXPERTS: another rank's, sorted last), each pair's place
-    in the stable order by expert (its expert's first place plus the earlier pairs of that expert), then each
-    block's expert and range (a block's expert: how many experts' blocks end at or before it)."""
+    in the stable order by expert (its expert's first place plus the earlier pairs of that expert), a tile of pairs
+    after another, then each block's expert and range (`_write_blocks`)."""
     experts = tl.arange(0, EXPERTS_PAD)
     counts = tl.zeros([EXPERTS_PAD], dtype=tl.int32)
     for first in range(0, num_pairs, BLOCK_PAIRS):
@@ -137,6 +149,41 @@ def _expert_blocks_kernel(
         place = tl.sum(hot * (places[None, :] + tl.cumsum(hot, axis=0) - 1), axis=1)
         tl.store(order_ptr + place, pairs, mask=pairs < num_pairs)
         places += tl.sum(hot, axis=0)
+    _write_blocks(counts, expert_ptr, start_ptr, end_ptr, max_blocks, NUM_EXPERTS, EXPERTS_PAD, BLOCK_M,
+                  BLOCK_PAIRS)
+
+
+@triton.jit
+def _expert_blocks_ranked_kernel(
+    ids_ptr, order_ptr, expert_ptr, start_ptr, end_ptr, num_pairs, first_expert, max_blocks,
+    NUM_EXPERTS: tl.constexpr, EXPERTS_PAD: tl.constexpr, BLOCK_M: tl.constexpr, PAIRS: tl.constexpr,
+    COLUMNS: tl.constexpr, BLOCK_PAIRS: tl.constexpr,
+):
+    """One program for up to PAIRS pairs: every pair's place in the stable order by expert at once (the pairs
+    before it there: those of a smaller expert, or of its own expert and earlier), counted over tiles of COLUMNS
+    other pairs, and the counts per expert as a histogram; no pass over the pairs depends on the last one's
+    running places, as the tiled kernel's do."""
+    pairs = tl.arange(0, PAIRS)
+    local = _local_experts(ids_ptr, pairs, num_pairs, first_expert, NUM_EXPERTS, EXPERTS_PAD)
+    place = tl.zeros([PAIRS], dtype=tl.int32)
+    for first in range(0, PAIRS, COLUMNS):
+        others = first + tl.arange(0, COLUMNS)
+        other = _local_experts(ids_ptr, others, num_pairs, first_expert, NUM_EXPERTS, EXPERTS_PAD)
+        earlier = others[None, :] < pairs[:, None]
+        before = (other[None, :] < local[:, None]) | ((other[None, :] == local[:, None]) & earlier)
+        place += tl.sum(before.to(tl.int32), axis=1)
+    tl.store(order_ptr + place, pairs, mask=pairs < num_pairs)
+    counts = tl.histogram(tl.minimum(local, NUM_EXPERTS), EXPERTS_PAD)  # NOTE: padding pairs in another rank's bin
+    _write_blocks(counts, expert_ptr, start_ptr, end_ptr, max_blocks, NUM_EXPERTS, EXPERTS_PAD, BLOCK_M,
+                  BLOCK_PAIRS)
+
+
+@triton.jit
+def _write_blocks(counts, expert_ptr, start_ptr, end_ptr, max_blocks, NUM_EXPERTS: tl.constexpr,
+                  EXPERTS_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_PAIRS: tl.constexpr):
+    """From the pairs per expert bin ([EXPERTS_PAD]; bins from NUM_EXPERTS on are not this rank's): each block's
+    expert and range (a block's expert: how many experts' blocks end at or before it)."""
+    experts = tl.arange(0, EXPERTS_PAD)
     counts = tl.where(experts < NUM_EXPERTS, counts, 0)
     blocks = (counts + BLOCK_M - 1) // BLOCK_M
     block_end = tl.cumsum(blocks, axis=0)

@@ -67,10 +67,12 @@ def layout_of(blocks) -> list[list[int]]:
 
 @pytest.mark.parametrize("num_experts", [1, 8, 64, 160])
 def test_the_layout_kernel_equals_the_stable_sort(num_experts: int) -> None:
-    """Exactly the sort's layout, for every size of step (up to 300 pairs: several of the kernel's pair tiles), block
-    size and rank's share of the experts."""
+    """Exactly the sort's layout, for every size of step (up to 300 pairs: the ranked kernel up to RANKED_MAX_PAIRS,
+    in several column tiles at 144, then several of the tiled kernel's pair tiles), block size and rank's share of
+    the experts."""
     generator = torch.Generator().manual_seed(num_experts)
-    for num_tokens, top_k, block_m in ((1, 1, 16), (1, 8, 16), (5, 2, 4), (16, 8, 16), (37, 8, 32), (300, 1, 16)):
+    for num_tokens, top_k, block_m in ((1, 1, 16), (1, 8, 16), (5, 2, 4), (16, 8, 16), (16, 9, 16), (37, 8, 32),
+                                       (300, 1, 16)):
         for first_expert in (0, 3):
             ids = torch.randint(0, num_experts + 6, (num_tokens, top_k), generator=generator)
             got = expert_blocks(ids, first_expert, num_experts, block_m)
