@@ -4,6 +4,7 @@ sends malformed trees (each costs one step of speculation and is counted)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 
@@ -393,3 +394,40 @@ def test_a_lone_prompt_prefills_in_lone_chunks_and_one_beside_a_generation_in_sh
     assert lone_sizes == [96, 96, 95]
     assert sizes[:6] == [24] * 6 and sum(sizes) == 287  # NOTE: lone chunks again once the generation has ended
     assert decoded == plain_generate(engine, PROMPT) and after_prefill == plain_generate(engine, long_prompt)
+
+
+def test_a_generation_cancelled_again_while_its_release_waits_still_releases_its_session(tiny_target) -> None:
+    """The caller goes away, and the generation's task is cancelled once more while its session's release waits
+    behind other engine work (its deadline firing then, or the stream ending): the release still runs, so no KV page
+    stays held (the session's lease is gone by then: nothing else would free them)."""
+    engine = make_engine(tiny_target)
+
+    async def main() -> None:
+        service = VerifierService(engine, None, VerifierMetrics())
+        await service.start()
+        session = await service.create_session(PROMPT)
+        stepped = asyncio.Event()
+
+        async def consume() -> None:
+            # NOTE: closed by this task, as the GenerateStream's own task closes a generation
+            async with contextlib.aclosing(service.generate(session.session_id, [], GREEDY, False)) as events:
+                async for event in events:
+                    if isinstance(event, StepEvent):
+                        stepped.set()
+                        await asyncio.sleep(10)  # NOTE: the caller stops reading here
+
+        generation = asyncio.ensure_future(consume())
+        await stepped.wait()
+        busy = service.worker.submit(time.sleep, 0.3)  # NOTE: the release will wait behind this on the engine thread
+        generation.cancel()
+        await asyncio.sleep(0.05)
+        generation.cancel()
+        await asyncio.gather(generation, busy, return_exceptions=True)
+        for _ in range(50):
+            if not engine.sessions:
+                break
+            await asyncio.sleep(0.02)
+        assert not engine.sessions and engine.pool.num_free == engine.pool.num_pages
+        await service.stop()
+
+    asyncio.run(main())

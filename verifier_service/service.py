@@ -301,11 +301,12 @@ class VerifierService:
         await self._call(self.engine.release_session, session_id)
         self.admission.pages_freed()
 
-    def _in_background(self, work: Awaitable) -> None:
+    def _in_background(self, work: Awaitable) -> asyncio.Future:
         """Engine work that must happen though its caller is gone (awaited by `stop`)."""
         task = asyncio.ensure_future(work)
         self.background.add(task)
         task.add_done_callback(self.background.discard)
+        return task
 
     async def _reap_forever(self) -> None:
         """Release the sessions whose lease ran out (their gateway is gone or forgot them)."""
@@ -360,4 +361,7 @@ class VerifierService:
             if self.drafters is not None:
                 self.drafters.park(session_id)  # NOTE: a released session's mirror closes with it
             if self.down_reason is None:
-                await (self._end_generation(session_id) if keep_session else self._release(session_id))
+                # NOTE: shielded: a second cancellation (a deadline, the stream's end) while the engine thread is
+                # busy would otherwise drop the queued release, and the session, its lease gone, would hold its pages
+                ending = self._end_generation(session_id) if keep_session else self._release(session_id)
+                await asyncio.shield(self._in_background(ending))
