@@ -396,10 +396,11 @@ def test_a_lone_prompt_prefills_in_lone_chunks_and_one_beside_a_generation_in_sh
     assert decoded == plain_generate(engine, PROMPT) and after_prefill == plain_generate(engine, long_prompt)
 
 
-def test_a_generation_cancelled_again_while_its_release_waits_still_releases_its_session(tiny_target) -> None:
-    """The caller goes away, and the generation's task is cancelled once more while its session's release waits
-    behind other engine work (its deadline firing then, or the stream ending): the release still runs, so no KV page
-    stays held (the session's lease is gone by then: nothing else would free them)."""
+def test_a_release_whose_caller_is_cancelled_while_it_waits_still_happens(tiny_target) -> None:
+    """A generation's caller goes away, and its task is cancelled once more while its session's release waits behind
+    other engine work (its deadline firing then, or the stream ending); a ReleaseSession's caller gives up while it
+    waits: the releases still run, so no KV page stays held (the sessions' leases are gone by then: nothing else
+    would free them)."""
     engine = make_engine(tiny_target)
 
     async def main() -> None:
@@ -427,6 +428,15 @@ def test_a_generation_cancelled_again_while_its_release_waits_still_releases_its
             if not engine.sessions:
                 break
             await asyncio.sleep(0.02)
+        assert not engine.sessions and engine.pool.num_free == engine.pool.num_pages
+
+        kept = await service.create_session(PROMPT)  # NOTE: a ReleaseSession whose caller's deadline passes
+        busy = service.worker.submit(time.sleep, 0.3)
+        releasing = asyncio.ensure_future(service.release_session(kept.session_id))
+        await asyncio.sleep(0.05)
+        releasing.cancel()
+        await asyncio.gather(releasing, busy, return_exceptions=True)
+        await asyncio.gather(*service.background)
         assert not engine.sessions and engine.pool.num_free == engine.pool.num_pages
         await service.stop()
 

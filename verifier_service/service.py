@@ -286,7 +286,7 @@ class VerifierService:
         self._check_idle(session_id)
         self.engine.session(session_id)
         free_before = self.engine.pool.num_free
-        await self._release(session_id)
+        await self._unstoppable(self._release(session_id))  # NOTE: a caller's deadline must not leave it half done
         return self.engine.pool.num_free - free_before
 
     def renew_leases(self, session_ids: list[str]) -> list[str]:
@@ -307,6 +307,11 @@ class VerifierService:
         self.background.add(task)
         task.add_done_callback(self.background.discard)
         return task
+
+    async def _unstoppable(self, work: Awaitable[T]) -> T:
+        """`work`, finished though this caller is cancelled meanwhile: a session's release or a generation's end
+        (the release drops the session's lease first, so a release dropped half way would hold its pages for good)."""
+        return await asyncio.shield(self._in_background(work))
 
     async def _reap_forever(self) -> None:
         """Release the sessions whose lease ran out (their gateway is gone or forgot them)."""
@@ -363,5 +368,4 @@ class VerifierService:
             if self.down_reason is None:
                 # NOTE: shielded: a second cancellation (a deadline, the stream's end) while the engine thread is
                 # busy would otherwise drop the queued release, and the session, its lease gone, would hold its pages
-                ending = self._end_generation(session_id) if keep_session else self._release(session_id)
-                await asyncio.shield(self._in_background(ending))
+                await self._unstoppable(self._end_generation(session_id) if keep_session else self._release(session_id))
