@@ -157,16 +157,17 @@ class GatewayService:
     # -- generation
 
     async def generate(self, caller: Caller, prompt: list[int], params: common_pb2.SamplingParams, handle: str,
-                       keep_session: bool, fork: bool = False,
-                       tree_budget: int = 0) -> AsyncIterator[gateway_pb2.GenerateReply]:
+                       keep_session: bool, fork: bool = False, tree_budget: int = 0,
+                       started: float | None = None) -> AsyncIterator[gateway_pb2.GenerateReply]:
         """A long prefill's progress, chunks, then the summary. Without `handle` the prompt goes to a fresh
         session (held under a handle while it runs, so it counts against the key's limits), which is dropped if
         the call ends before its prompt is in; with one, it is appended; with `fork`, it is appended to a fork of
         it, which is kept with `keep_session` (the parent stays as it was). A failure after the first chunk ends
         the stream with its status: the chunks sent before it stand (exact). `tree_budget` pins the draft tree
-        of every step (0: the verifier's policy; the verifier knows its maximum and checks it)."""
+        of every step (0: the verifier's policy; the verifier knows its maximum and checks it). `started`: when the
+        request came (default now), from which its first token's time and the caller's deadline count."""
         validation.check_tree_budget(tree_budget)
-        started = self._clock()
+        started = self._clock() if started is None else started
         fresh = not handle
         if handle and fork:
             handle = (await self.fork_session(caller, handle)).session
@@ -217,14 +218,15 @@ class GatewayService:
                 async for reply in one:
                     yield 0, reply
             return
-        fresh = not handle
+        started, fresh = self._clock(), not handle
         self.registry.check_room(caller.account, n + 1 if fresh else n)  # NOTE: each fork, and the prompt's session
         if fresh:
             handle = (await self.create_session(caller, prompt)).session.session
         try:
             append = [] if fresh else prompt
-            choices = [self.generate(caller, append, choice_params(params, i), handle, keep_session=False, fork=True)
-                       for i in range(n)]
+            # NOTE: from the request's arrival: each choice's first token waited for the shared prefill too
+            choices = [self.generate(caller, append, choice_params(params, i), handle, keep_session=False, fork=True,
+                                     started=started) for i in range(n)]
             async with contextlib.aclosing(interleaved(choices)) as replies:
                 async for index, reply in replies:
                     if reply.HasField("summary"):

@@ -56,6 +56,7 @@ class FakeVerifier(verifier_pb2_grpc.VerifierServicer):
         self.fail_next: dict[str, Code] = {}
         self.fail_mid_stream = False
         self.step_delay_s = 0.0
+        self.create_delay_s = 0.0
         self.reserved_pages = 0
         self.waiting = 0  # requests waiting for KV pages, as Info reports them
         self.renewed: list[str] = []
@@ -85,6 +86,7 @@ class FakeVerifier(verifier_pb2_grpc.VerifierServicer):
 
     async def CreateSession(self, request, context):
         await self._maybe_fail("CreateSession", context)
+        await asyncio.sleep(self.create_delay_s)
         return verifier_pb2.VerifierCreateSessionReply(session=self._new(list(request.prompt_token_ids)),
                                                        prefill_ms=1.0)
 
@@ -696,6 +698,27 @@ def test_a_failed_choice_ends_every_choice_and_releases_every_fork(env, stream: 
         fake_a.step_delay_s = 0.0
     assert wait_for(lambda: not fake_a.sessions and len(fake_a.cancelled) == cancelled + 2)
     assert not env.keyed.service.registry.on_verifier(env.keyed.service.pool.addresses[0])
+
+
+def test_choices_time_their_first_token_from_the_requests_arrival(env) -> None:
+    """n choices wait for the prompt's one prefill (CreateSession, 0.3 s here) before their forks generate: each
+    choice's time to first token counts it, as one choice's does."""
+    fake_a = env.fakes[0]
+    http = openai.OpenAI(base_url=f"http://127.0.0.1:{env.keyed.http_port}/v1", api_key="k-alice", max_retries=0)
+    ttft = env.keyed.service.metrics.ttft
+
+    def observed() -> tuple[float, float]:
+        samples = {s.name: s.value for metric in ttft.collect() for s in metric.samples}
+        return samples["ddtree_gateway_ttft_seconds_count"], samples["ddtree_gateway_ttft_seconds_sum"]
+
+    count, total = observed()
+    fake_a.create_delay_s = 0.3
+    try:
+        http.completions.create(model="fake", prompt="abc", max_tokens=5, n=2)
+    finally:
+        fake_a.create_delay_s = 0.0
+    after_count, after_total = observed()
+    assert after_count == count + 2 and after_total - total >= 2 * 0.3
 
 
 def test_choices_count_each_fork_against_the_kv_quota(env) -> None:
