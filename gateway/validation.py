@@ -8,8 +8,8 @@ from collections.abc import Mapping, Sequence
 from gateway.config import GatewayConfig
 from gateway.errors import InvalidArgument, PromptTooLong
 from proto import common_pb2
+from proto.limits import MAX_LOGPROBS
 
-MAX_LOGPROBS = 20  # NOTE: alternatives per emitted token (proto/common.proto), as the verifier's engine allows
 # Choices of one request (OpenAI's `n`), as many generations at once: each also holds a session of the caller's quota
 # while it runs (docs/limits.md), which bounds them further.
 MAX_CHOICES = 16

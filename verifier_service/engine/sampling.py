@@ -6,11 +6,11 @@ from dataclasses import dataclass
 
 import torch
 
+from proto.limits import MAX_LOGPROBS
 from verifier_service.errors import InvalidArgument
 
 MAX_TOP_K = 1 << 20
 MAX_NEW_TOKENS = 1 << 20
-MAX_LOGPROBS = 20  # NOTE: alternatives per emitted token, as vLLM's default max_logprobs and OpenAI's top_logprobs
 
 
 @dataclass(frozen=True)
