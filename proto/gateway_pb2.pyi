@@ -8,20 +8,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("text", "token_ids", "session", "params", "keep_session", "tree_budget")
+    __slots__ = ("text", "token_ids", "session", "params", "keep_session", "tree_budget", "prompt_logprobs")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     KEEP_SESSION_FIELD_NUMBER: _ClassVar[int]
     TREE_BUDGET_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     text: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     session: str
     params: _common_pb2.SamplingParams
     keep_session: bool
     tree_budget: int
-    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., session: _Optional[str] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., keep_session: _Optional[bool] = ..., tree_budget: _Optional[int] = ...) -> None: ...
+    prompt_logprobs: int
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., session: _Optional[str] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., keep_session: _Optional[bool] = ..., tree_budget: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ...) -> None: ...
 
 class ChatMessage(_message.Message):
     __slots__ = ("role", "content")
@@ -46,14 +48,24 @@ class ChatRequest(_message.Message):
     def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., session: _Optional[str] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., keep_session: _Optional[bool] = ..., tree_budget: _Optional[int] = ...) -> None: ...
 
 class GenerateReply(_message.Message):
-    __slots__ = ("chunk", "summary", "prefill")
+    __slots__ = ("chunk", "summary", "prefill", "prompt")
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     SUMMARY_FIELD_NUMBER: _ClassVar[int]
     PREFILL_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
     chunk: GenerateChunk
     summary: GenerateSummary
     prefill: _common_pb2.PrefillProgress
-    def __init__(self, chunk: _Optional[_Union[GenerateChunk, _Mapping]] = ..., summary: _Optional[_Union[GenerateSummary, _Mapping]] = ..., prefill: _Optional[_Union[_common_pb2.PrefillProgress, _Mapping]] = ...) -> None: ...
+    prompt: PromptLogprobs
+    def __init__(self, chunk: _Optional[_Union[GenerateChunk, _Mapping]] = ..., summary: _Optional[_Union[GenerateSummary, _Mapping]] = ..., prefill: _Optional[_Union[_common_pb2.PrefillProgress, _Mapping]] = ..., prompt: _Optional[_Union[PromptLogprobs, _Mapping]] = ...) -> None: ...
+
+class PromptLogprobs(_message.Message):
+    __slots__ = ("token_ids", "logprobs")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class GenerateChunk(_message.Message):
     __slots__ = ("text", "token_ids", "acceptance_length", "logprobs")
@@ -92,20 +104,24 @@ class GenerateSummary(_message.Message):
     def __init__(self, stop_reason: _Optional[_Union[_common_pb2.StopReason, str]] = ..., session: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., steps: _Optional[int] = ..., ttft_ms: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., mean_acceptance_length: _Optional[float] = ..., e2e_ms: _Optional[float] = ..., session_tokens: _Optional[int] = ...) -> None: ...
 
 class CreateSessionRequest(_message.Message):
-    __slots__ = ("text", "token_ids")
+    __slots__ = ("text", "token_ids", "prompt_logprobs")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     text: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    prompt_logprobs: int
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., prompt_logprobs: _Optional[int] = ...) -> None: ...
 
 class CreateSessionReply(_message.Message):
-    __slots__ = ("session", "prefill_ms")
+    __slots__ = ("session", "prefill_ms", "prompt_logprobs")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     session: SessionInfo
     prefill_ms: float
-    def __init__(self, session: _Optional[_Union[SessionInfo, _Mapping]] = ..., prefill_ms: _Optional[float] = ...) -> None: ...
+    prompt_logprobs: PromptLogprobs
+    def __init__(self, session: _Optional[_Union[SessionInfo, _Mapping]] = ..., prefill_ms: _Optional[float] = ..., prompt_logprobs: _Optional[_Union[PromptLogprobs, _Mapping]] = ...) -> None: ...
 
 class SessionInfo(_message.Message):
     __slots__ = ("session", "num_tokens", "pages_used", "pages_shared", "generating", "idle_s", "expires_in_s")

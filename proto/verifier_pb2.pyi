@@ -8,10 +8,12 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class VerifierCreateSessionRequest(_message.Message):
-    __slots__ = ("prompt_token_ids",)
+    __slots__ = ("prompt_token_ids", "prompt_logprobs")
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    prompt_logprobs: int
+    def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., prompt_logprobs: _Optional[int] = ...) -> None: ...
 
 class VerifierSessionInfo(_message.Message):
     __slots__ = ("session_id", "num_tokens", "prefix_length", "pages_used", "pages_shared", "generating")
@@ -30,29 +32,33 @@ class VerifierSessionInfo(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., prefix_length: _Optional[int] = ..., pages_used: _Optional[int] = ..., pages_shared: _Optional[int] = ..., generating: _Optional[bool] = ...) -> None: ...
 
 class VerifierCreateSessionReply(_message.Message):
-    __slots__ = ("session", "prefill_ms")
+    __slots__ = ("session", "prefill_ms", "prompt_logprobs")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     session: VerifierSessionInfo
     prefill_ms: float
-    def __init__(self, session: _Optional[_Union[VerifierSessionInfo, _Mapping]] = ..., prefill_ms: _Optional[float] = ...) -> None: ...
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
+    def __init__(self, session: _Optional[_Union[VerifierSessionInfo, _Mapping]] = ..., prefill_ms: _Optional[float] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class VerifierGenerateRequest(_message.Message):
-    __slots__ = ("session_id", "append_token_ids", "params", "keep_session", "tree_budget")
+    __slots__ = ("session_id", "append_token_ids", "params", "keep_session", "tree_budget", "prompt_logprobs")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     APPEND_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     KEEP_SESSION_FIELD_NUMBER: _ClassVar[int]
     TREE_BUDGET_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     append_token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: _common_pb2.SamplingParams
     keep_session: bool
     tree_budget: int
-    def __init__(self, session_id: _Optional[str] = ..., append_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., keep_session: _Optional[bool] = ..., tree_budget: _Optional[int] = ...) -> None: ...
+    prompt_logprobs: int
+    def __init__(self, session_id: _Optional[str] = ..., append_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., keep_session: _Optional[bool] = ..., tree_budget: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ...) -> None: ...
 
 class VerifierGenerateStep(_message.Message):
-    __slots__ = ("step", "token_ids", "acceptance_length", "drafted_nodes", "finished", "stop_reason", "num_tokens", "timings", "prefill", "logprobs")
+    __slots__ = ("step", "token_ids", "acceptance_length", "drafted_nodes", "finished", "stop_reason", "num_tokens", "timings", "prefill", "logprobs", "prompt_logprobs")
     STEP_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTANCE_LENGTH_FIELD_NUMBER: _ClassVar[int]
@@ -63,6 +69,7 @@ class VerifierGenerateStep(_message.Message):
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     step: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     acceptance_length: int
@@ -73,7 +80,8 @@ class VerifierGenerateStep(_message.Message):
     timings: _common_pb2.StepTimings
     prefill: _common_pb2.PrefillProgress
     logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
-    def __init__(self, step: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., acceptance_length: _Optional[int] = ..., drafted_nodes: _Optional[int] = ..., finished: _Optional[bool] = ..., stop_reason: _Optional[_Union[_common_pb2.StopReason, str]] = ..., num_tokens: _Optional[int] = ..., timings: _Optional[_Union[_common_pb2.StepTimings, _Mapping]] = ..., prefill: _Optional[_Union[_common_pb2.PrefillProgress, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
+    def __init__(self, step: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., acceptance_length: _Optional[int] = ..., drafted_nodes: _Optional[int] = ..., finished: _Optional[bool] = ..., stop_reason: _Optional[_Union[_common_pb2.StopReason, str]] = ..., num_tokens: _Optional[int] = ..., timings: _Optional[_Union[_common_pb2.StepTimings, _Mapping]] = ..., prefill: _Optional[_Union[_common_pb2.PrefillProgress, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class VerifierStreamRequest(_message.Message):
     __slots__ = ("request_id", "generate", "cancel", "consumed", "timeout_s", "window")
