@@ -19,6 +19,7 @@ from proto import common_pb2
 from tests.engine_helpers import burst_to_end, make_engine, run_to_end
 from verifier_service.engine.engine import Engine, StepResult
 from verifier_service.engine.logprobs import TokenLogprob
+from verifier_service.engine.prefill import Prefill
 from verifier_service.engine.sampling import SamplingParams
 from verifier_service.errors import InvalidArgument
 
@@ -72,8 +73,13 @@ def planted_trees(expected: list[int], seed: int = 0):
 def assert_matches_reference(tokens: list[int], logprobs: list[TokenLogprob], reference: torch.Tensor,
                              width: int) -> None:
     """Each token's logprob and its row's `width` best tokens equal the reference's row that predicted it."""
-    assert len(logprobs) == len(tokens)
-    rows = reference[len(PROMPT) - 1: len(PROMPT) - 1 + len(tokens)]
+    assert_rows_match(tokens, logprobs, reference[len(PROMPT) - 1: len(PROMPT) - 1 + len(tokens)], width)
+
+
+def assert_rows_match(tokens: list[int], logprobs: list[TokenLogprob], rows: torch.Tensor, width: int) -> None:
+    """Token i's logprob and the `width` best tokens equal those of `rows[i]`, the reference's row that predicted
+    it."""
+    assert len(logprobs) == len(tokens) == len(rows)
     got = torch.tensor([lp.logprob for lp in logprobs])
     torch.testing.assert_close(got, rows.gather(-1, torch.tensor(tokens)[:, None])[:, 0], atol=2e-5, rtol=1e-4)
     top = rows.topk(width, dim=-1)
@@ -192,9 +198,54 @@ def run_greedy(engine: Engine, params: SamplingParams) -> tuple[list[int], list[
 
 
 @pytest.mark.parametrize("logprobs", [-1, 21])
-def test_logprobs_out_of_range_are_refused(logprobs: int) -> None:
+def test_logprobs_out_of_range_are_refused(tiny_target, logprobs: int) -> None:
     with pytest.raises(InvalidArgument, match="logprobs"):
         SamplingParams(logprobs=logprobs).validate()
+    with pytest.raises(InvalidArgument, match="prompt_logprobs"):
+        make_engine(tiny_target).begin_session(PROMPT, prompt_logprobs=logprobs)
+
+
+LONG_PROMPT = [1 + (i * 37) % 250 for i in range(61)]  # NOTE: 60 rows: chunks of 24, 24, 12
+
+
+def prefilled(prefill: Prefill) -> list[TokenLogprob]:
+    prefill.run(lambda: False, lambda done, total: None)
+    return prefill.logprobs
+
+
+def assert_prompt_matches(tokens: list[int], logprobs: list[TokenLogprob], rows: torch.Tensor, width: int) -> None:
+    """As assert_rows_match, and each token's rank in its row is the reference's (1 + the tokens more likely)."""
+    assert_rows_match(tokens, logprobs, rows, width)
+    chosen = rows.gather(-1, torch.tensor(tokens)[:, None])
+    assert [lp.rank for lp in logprobs] == (1 + (rows > chosen).sum(-1)).tolist()
+
+
+def test_prompt_logprobs_equal_transformers_across_prefill_chunks_and_logit_slices(tiny_target, hf_logprobs) -> None:
+    """Every prompt token but the first, given the tokens before it, from the prefill's own rows: chunks of 24 rows,
+    logits in slices of 7 rows that cross the chunks' ends."""
+    engine = make_engine(tiny_target, prefill_chunk=24, prompt_logprob_rows=7)
+    logprobs = prefilled(engine.begin_session(LONG_PROMPT, prompt_logprobs=4))
+    assert_prompt_matches(LONG_PROMPT[1:], logprobs, hf_logprobs(LONG_PROMPT)[:-1], 4)
+    assert sum(lp.rank == 1 for lp in logprobs) < len(logprobs)  # NOTE: the random prompt is not the model's argmax
+
+
+def test_prompt_logprobs_of_turns_appended_to_a_session_and_its_fork(tiny_target, hf_logprobs) -> None:
+    """A session's KV is reused by a later turn (keep_session) and by a fork: their prefills score the appended
+    tokens alone, each given the whole session before it (its first too); what the session held is not scored
+    again, and the gateway counts on that."""
+    engine = make_engine(tiny_target, prefill_chunk=24, prompt_logprob_rows=5)
+    head, turn = LONG_PROMPT[:29], LONG_PROMPT[29:]
+    engine.create_session(head, "head")
+    reference = hf_logprobs(LONG_PROMPT)[:-1]
+    fork = engine.fork_session("head")
+    for sid in (fork.session_id, "head"):
+        logprobs = prefilled(engine.begin_extend(sid, turn, prompt_logprobs=0))
+        assert_prompt_matches(turn, logprobs, reference[len(head) - 1:], 0)
+    assert engine.session("head").tokens == engine.session(fork.session_id).tokens == LONG_PROMPT
+
+
+def test_a_prompt_of_one_token_has_nothing_to_score(tiny_target) -> None:
+    assert prefilled(make_engine(tiny_target).begin_session([7], prompt_logprobs=3)) == []
 
 
 def test_tokens_are_spelled_on_their_own_with_their_raw_bytes() -> None:

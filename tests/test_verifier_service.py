@@ -367,8 +367,8 @@ def test_a_lone_prompt_prefills_in_lone_chunks_and_one_beside_a_generation_in_sh
     engine = make_engine(tiny_target, lone_prefill_chunk=96)
     sizes: list[int] = []
     prefill_chunk = engine._prefill_chunk
-    engine._prefill_chunk = lambda table, tokens, start, end: (sizes.append(end - start)
-                                                               or prefill_chunk(table, tokens, start, end))
+    engine._prefill_chunk = lambda table, tokens, start, *rest: (sizes.append(rest[0] - start)
+                                                                 or prefill_chunk(table, tokens, start, *rest))
     long_prompt = [1 + i % 250 for i in range(24 * 12)]  # NOTE: 287 positions to prefill
 
     async def main() -> tuple[list[int], list[int], list[int]]:

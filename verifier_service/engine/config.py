@@ -44,6 +44,9 @@ class EngineConfig:
     # NOTE: plain decoding steps per engine call when every session of a batch decodes plainly (Engine.decode): the
     # host's work per call then serves this many tokens, which reach the client in bursts of as many
     decode_burst_steps: int = 1
+    # NOTE: prompt rows whose logits are computed at once for prompt logprobs: [rows, V] fp32 logits and their
+    # log_softmax live together, about 0.6 GB at 512 rows of a 152k vocab
+    prompt_logprob_rows: int = 512
 
     def __post_init__(self) -> None:
         if self.page_size not in PAGE_SIZES:
@@ -55,8 +58,10 @@ class EngineConfig:
                              f"chunk ({self.prefill_chunk_tokens})")
         if self.max_tree_nodes + 1 > self.max_batch_tokens:
             raise ValueError("max_tree_nodes + 1 must fit in max_batch_tokens")
-        if self.graph_max_sessions < 1 or self.max_batch_sessions < 1 or self.decode_burst_steps < 1:
-            raise ValueError("graph_max_sessions, max_batch_sessions and decode_burst_steps must be >= 1")
+        if min(self.graph_max_sessions, self.max_batch_sessions, self.decode_burst_steps,
+               self.prompt_logprob_rows) < 1:
+            raise ValueError("graph_max_sessions, max_batch_sessions, decode_burst_steps and prompt_logprob_rows must "
+                             "be >= 1")
         parse_dtype(self.dtype)
         if self.attention not in ("torch", "triton"):
             raise ValueError(f"attention must be 'torch' or 'triton', got {self.attention!r}")

@@ -22,10 +22,10 @@ from verifier_service.engine.attention import PagedPrefillAttention, PagedVerify
 from verifier_service.engine.block_table import BlockTable
 from verifier_service.engine.config import TRITON_MAX_BLOCK, EngineConfig
 from verifier_service.engine.kv_cache import KVCache, TreeScratch
-from verifier_service.engine.logprobs import RowLogprobs, TokenLogprob, asking_spans, read_back
+from verifier_service.engine.logprobs import RowLogprobs, TokenLogprob, asking_spans, ranked_logprobs, read_back
 from verifier_service.engine.page_pool import PagePool
 from verifier_service.engine.prefill import Prefill
-from verifier_service.engine.sampling import SamplingParams, choose_tokens
+from verifier_service.engine.sampling import MAX_LOGPROBS, SamplingParams, choose_tokens
 from verifier_service.engine.session import Generation, Session
 from verifier_service.engine.stopping import StopChecker, StopReason
 from verifier_service.engine.verify_batch import (
@@ -179,23 +179,27 @@ class Engine:
         total)` is told the tokens prefilled between chunks."""
         return self.begin_extend(session_id, tokens, feature_tail).run(should_stop, on_progress)
 
-    def begin_session(self, prompt: list[int], session_id: str | None = None, feature_tail: int = 0) -> Prefill:
-        """create_session one chunk per `advance()`: the session exists once the last chunk is in."""
+    def begin_session(self, prompt: list[int], session_id: str | None = None, feature_tail: int = 0,
+                      prompt_logprobs: int | None = None) -> Prefill:
+        """create_session one chunk per `advance()`: the session exists once the last chunk is in. `prompt_logprobs`:
+        the prefill also scores every prompt token but the first (Prefill.logprobs) with that many alternatives."""
         session_id = session_id or secrets.token_hex(8)
         self._refuse_taken(session_id)
         if not prompt:
             raise InvalidArgument("prompt must contain at least one token")
         session = Session(session_id, [], BlockTable(self.pool, self.config.page_size))
-        return self._begin_prefill(session, prompt, feature_tail, self._register)
+        return self._begin_prefill(session, prompt, feature_tail, self._register, prompt_logprobs=prompt_logprobs)
 
-    def begin_extend(self, session_id: str, tokens: list[int], feature_tail: int = 0,
-                     then_generate: int = 0) -> Prefill:
+    def begin_extend(self, session_id: str, tokens: list[int], feature_tail: int = 0, then_generate: int = 0,
+                     prompt_logprobs: int | None = None) -> Prefill:
         """extend_session one chunk per `advance()`. `then_generate`: the new tokens of the generation that follows
         (start_generation): the pages they may take are kept free from the moment the prefill takes its own, so the
-        generation can always start (no admission stands between a prompt that is in and its generation)."""
+        generation can always start (no admission stands between a prompt that is in and its generation).
+        `prompt_logprobs`: the prefill also scores every new token, given the session before it."""
         if not tokens:
             raise InvalidArgument("tokens must contain at least one token")
-        return self._begin_prefill(self.session(session_id), tokens, feature_tail, None, then_generate)
+        return self._begin_prefill(self.session(session_id), tokens, feature_tail, None, then_generate,
+                                   prompt_logprobs)
 
     def _refuse_taken(self, session_id: str) -> None:
         if session_id in self.sessions:
@@ -281,16 +285,19 @@ class Engine:
     # ---- prefill --------------------------------------------------------------------------------
 
     def _begin_prefill(self, session: Session, new_tokens: list[int], feature_tail: int,
-                       register: Callable[[Session], None] | None, then_generate: int = 0) -> Prefill:
+                       register: Callable[[Session], None] | None, then_generate: int = 0,
+                       prompt_logprobs: int | None = None) -> Prefill:
         """Check the tokens, and that their pages would fit in a cache that held this session alone (whether they
         fit now is `Prefill.reserve`'s question: the first chunk takes them)."""
         vocab = self.model_config.vocab_size
         bad = next((t for t in new_tokens if not 0 <= t < vocab), None)
         if bad is not None:
             raise InvalidArgument(f"prompt token {bad} is outside the vocabulary [0, {vocab})")
+        if prompt_logprobs is not None and not 0 <= prompt_logprobs <= MAX_LOGPROBS:
+            raise InvalidArgument(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {prompt_logprobs}")
         grows_to = min(len(session.tokens) + len(new_tokens) - 1 + then_generate, self.max_context)
         prefill = Prefill(session, new_tokens, feature_tail, self.prefill_chunk, self.kv, self._prefill_chunk, register,
-                          self.room, grows_to, self.promised)
+                          self.room, grows_to, self.promised, prompt_logprobs)
         if len(prefill.tokens) > self.max_context:
             raise InvalidArgument(f"prompt of {len(prefill.tokens)} tokens exceeds max_context {self.max_context}")
         if prefill.pages_to_keep > self.pool.num_pages - len(session.block_table.pages):
@@ -300,12 +307,28 @@ class Engine:
                                 f"{self.config.page_size} tokens)")
         return prefill
 
-    def _prefill_chunk(self, block_table: BlockTable, tokens: list[int], start: int, end: int) -> torch.Tensor | None:
-        """Positions [start, end) into the pages; returns their target features."""
-        _, features = self.forward([BlockSpec.chain(start, tokens[start:end], block_table.pages)])
+    def _prefill_chunk(self, block_table: BlockTable, tokens: list[int], start: int, end: int,
+                       logprobs: int | None = None) -> tuple[torch.Tensor | None, list[TokenLogprob] | None]:
+        """Positions [start, end) into the pages; returns their target features, and with `logprobs` (alternatives)
+        the logprobs of the tokens their rows predict, tokens[start + 1:end + 1]."""
+        hidden, features = self.forward([BlockSpec.chain(start, tokens[start:end], block_table.pages)])
         if not self._takes_prefill_path(end - start):  # NOTE: the prefill path writes its K/V to the pages itself
             self.commit(list(range(end - start)), [block_table.slot(position) for position in range(start, end)])
-        return features
+        if logprobs is None:
+            return features, None
+        return features, self.prompt_logprobs(hidden, tokens[start + 1:end + 1], logprobs)
+
+    def prompt_logprobs(self, hidden: torch.Tensor, targets: list[int], width: int) -> list[TokenLogprob]:
+        """The logprobs of `targets`, the tokens that `hidden`'s rows predict, with their ranks and `width`
+        alternatives: the logits of `prompt_logprob_rows` rows at a time (a long prompt's [rows, V] logits would not
+        fit), each slice read back once."""
+        rows = self.config.prompt_logprob_rows
+        predicted = torch.tensor(targets, device=self.device)
+        scored: list[TokenLogprob] = []
+        for lo in range(0, len(targets), rows):
+            span = (lo, min(lo + rows, len(targets)))
+            scored += ranked_logprobs(self.logits(hidden, [span]), predicted[span[0]:span[1]], width)
+        return scored
 
     def _takes_prefill_path(self, rows: int) -> bool:
         """Whether a block of one session with this many rows is a prefill chunk rather than a verify block."""

@@ -1,9 +1,11 @@
-"""The log-probabilities of emitted tokens (OpenAI's `logprobs`).
+"""The log-probabilities of emitted tokens (OpenAI's `logprobs`) and of prompt tokens (`echo`, vLLM's
+`prompt_logprobs`).
 
 NOTE (semantics): raw log-probabilities, as vLLM's default `raw_logprobs`: the log_softmax of the target's
 unprocessed fp32 logits, before temperature, top-k and top-p, at the verify row that predicted the token (the
 root's row for a step's first token, then the row of each accepted tree node). Those are the rows plain decoding
-reads, so speculation never changes them, and a sampled token's logprob does not depend on how it was drawn.
+reads, so speculation never changes them, and a sampled token's logprob does not depend on how it was drawn. A
+prompt token's row is the prefill's row of the token before it.
 """
 
 from __future__ import annotations
@@ -16,11 +18,13 @@ import torch
 
 @dataclass(frozen=True)
 class TokenLogprob:
-    """One emitted token's log-probability and the most likely tokens at its row, best first."""
+    """One token's log-probability and the most likely tokens at its row, best first; a prompt token's rank in its
+    row (1 = the most likely; None where not computed: emitted tokens)."""
 
     logprob: float
     top_ids: tuple[int, ...]
     top_logprobs: tuple[float, ...]
+    rank: int | None = None
 
 
 @dataclass(frozen=True)
@@ -34,7 +38,11 @@ class RowLogprobs:
     @staticmethod
     def of(logits: torch.Tensor, tokens: torch.Tensor, width: int) -> RowLogprobs:
         """logits: [R, V] fp32, unprocessed; tokens: [R] the rows' chosen tokens."""
-        logprobs = logits.log_softmax(-1)
+        return RowLogprobs.of_logprobs(logits.log_softmax(-1), tokens, width)
+
+    @staticmethod
+    def of_logprobs(logprobs: torch.Tensor, tokens: torch.Tensor, width: int) -> RowLogprobs:
+        """As `of`, from the rows' log_softmax [R, V]."""
         top = logprobs.topk(width, dim=-1)  # NOTE: sorted, best first; the argmax token comes first
         return RowLogprobs(logprobs.gather(-1, tokens[:, None])[:, 0], top.indices, top.values)
 
@@ -60,14 +68,30 @@ def read_back(tokens: torch.Tensor, logprobs: RowLogprobs | None, asks: list[int
     tokens' copy alone, as on the hot path."""
     if logprobs is None:
         return tokens.tolist(), [None] * len(asks)
-    copies = [t.to("cpu", non_blocking=True)
-              for t in (tokens, logprobs.chosen, logprobs.top_ids, logprobs.top_logprobs)]
-    if tokens.is_cuda:
-        torch.cuda.current_stream(tokens.device).synchronize()
-    token_list, chosen, top_ids, top_logprobs = (c.tolist() for c in copies)
+    token_list, chosen, top_ids, top_logprobs = _to_host(tokens, logprobs.chosen, logprobs.top_ids,
+                                                         logprobs.top_logprobs)
     rows = iter(zip(chosen, top_ids, top_logprobs))
     per_session: list[list[TokenLogprob] | None] = []
     for ask, size in zip(asks, sizes):
         per_session.append(None if ask is None else [
             TokenLogprob(c, tuple(ids[:ask]), tuple(values[:ask])) for c, ids, values in itertools.islice(rows, size)])
     return token_list, per_session
+
+
+def ranked_logprobs(logits: torch.Tensor, tokens: torch.Tensor, width: int) -> list[TokenLogprob]:
+    """Each row's token's logprob, its rank and the row's `width` best tokens, read back at once: a prompt's rows.
+    logits: [R, V] fp32, unprocessed; tokens: [R] the tokens the rows predict."""
+    logprobs = logits.log_softmax(-1)
+    rows = RowLogprobs.of_logprobs(logprobs, tokens, width)
+    ranks = 1 + (logprobs > rows.chosen[:, None]).sum(-1)  # NOTE: as vLLM ranks: ties share the better rank
+    chosen, rank, top_ids, top_logprobs = _to_host(rows.chosen, ranks, rows.top_ids, rows.top_logprobs)
+    return [TokenLogprob(c, tuple(ids), tuple(values), r)
+            for c, r, ids, values in zip(chosen, rank, top_ids, top_logprobs)]
+
+
+def _to_host(*tensors: torch.Tensor) -> list[list]:
+    """The tensors as lists: every copy queued first, then one wait for the device."""
+    copies = [t.to("cpu", non_blocking=True) for t in tensors]
+    if tensors[0].is_cuda:
+        torch.cuda.current_stream(tensors[0].device).synchronize()
+    return [c.tolist() for c in copies]

@@ -11,11 +11,13 @@ from collections.abc import Callable
 import torch
 
 from verifier_service.engine.kv_cache import KVCache
+from verifier_service.engine.logprobs import TokenLogprob
 from verifier_service.engine.session import Session
 from verifier_service.errors import NoFreePages, PrefillStopped
 
-# (block table, tokens, chunk start, chunk end) -> the chunk's target features (None without feature layers)
-ChunkForward = Callable[..., torch.Tensor | None]
+# (block table, tokens, chunk start, chunk end, prompt logprobs' alternatives or None) -> the chunk's target features
+# (None without feature layers), and the logprobs of the tokens its rows predict (None unless asked for)
+ChunkForward = Callable[..., tuple[torch.Tensor | None, list[TokenLogprob] | None]]
 
 
 def chunk_end(start: int, end: int, chunk: int) -> int:
@@ -28,13 +30,14 @@ def chunk_end(start: int, end: int, chunk: int) -> int:
 class Prefill:
     def __init__(self, session: Session, new_tokens: list[int], feature_tail: int, chunk: int, kv: KVCache,
                  forward_chunk: ChunkForward, register: Callable[[Session], None] | None, room: Callable[[], int],
-                 grows_to: int, promised: dict[str, int]):
+                 grows_to: int, promised: dict[str, int], prompt_logprobs: int | None = None):
         """Holds nothing until `reserve()` or the first `advance()` takes the pages of all new positions (a
         prefill object dropped before that leaks nothing). `register` adds a new session to the engine once its
         prompt is in (None: the session exists already); `room()`: the free pages it may take (Engine.room);
         `grows_to`: the positions the session may reach, its generation after the prompt included: the pages up
         to there must be free too, and `promised` (Engine.promised) keeps those beyond the prompt's for the generation
-        from then on, until the generation ends or this prefill aborts."""
+        from then on, until the generation ends or this prefill aborts. `prompt_logprobs`: the alternatives of each
+        new token's logprob (`logprobs`), None for none."""
         self.session, self.feature_tail, self.kv = session, feature_tail, kv
         self.tokens = session.tokens + new_tokens
         self.start, self.end = (session.kv_len if session.tokens else 0), len(self.tokens) - 1
@@ -43,6 +46,9 @@ class Prefill:
         self.grows_to, self.promised = grows_to, promised
         self.finished, self.aborted, self.reserved = False, False, False
         self.tail: list[torch.Tensor] = []
+        self.prompt_logprobs = prompt_logprobs
+        # NOTE: the logprobs of tokens[start + 1:end + 1], chunk by chunk: a chunk's rows predict the tokens after them
+        self.logprobs: list[TokenLogprob] | None = None if prompt_logprobs is None else []
 
     @property
     def pages_needed(self) -> int:
@@ -99,9 +105,12 @@ class Prefill:
         try:
             if self.next_start < self.end:
                 end = chunk_end(self.next_start, self.end, chunk or self.chunk)
-                features = self.forward_chunk(self.session.block_table, self.tokens, self.next_start, end)
+                features, logprobs = self.forward_chunk(self.session.block_table, self.tokens, self.next_start, end,
+                                                        self.prompt_logprobs)
                 if features is not None and self.feature_tail:
                     self.tail.append(features[-self.feature_tail:])
+                if logprobs is not None:
+                    self.logprobs += logprobs
                 self.next_start = end
             if self.next_start == self.end:
                 self._finish()
