@@ -341,6 +341,30 @@ def test_logprobs_over_two_ranks_equal_one_rank(drafted: bool, targets, ngram_dr
         [v for lp in expected for v in lp.top_logprobs], abs=1e-5)
 
 
+def test_prompt_logprobs_over_two_ranks_equal_one_rank(targets, tmp_path) -> None:
+    """A prefill's logits slices go through the Logits command too: every rank joins each slice's gather. A prompt of
+    two prefill chunks in slices of 50 rows (CreateSession), then a turn appended to it (Generate)."""
+    prompt, turn = prompt_of(300), prompt_of(40)
+    reference = make_engine(targets["tiny"])
+    created = reference.begin_session(prompt, "reference", prompt_logprobs=3)
+    created.run(lambda: False, lambda done, total: None)
+    appended = reference.begin_extend("reference", turn, prompt_logprobs=3)
+    appended.run(lambda: False, lambda done, total: None)
+    with verifier(targets["tiny"], 2, "", tmp_path, "--prompt-logprob-rows", "50") as channel:
+        stub = verifier_pb2_grpc.VerifierStub(channel)
+        reply = stub.CreateSession(verifier_pb2.VerifierCreateSessionRequest(prompt_token_ids=prompt,
+                                                                             prompt_logprobs=3), timeout=120)
+        request = verifier_pb2.VerifierGenerateRequest(
+            session_id=reply.session.session_id, append_token_ids=turn, prompt_logprobs=3,
+            params=common_pb2.SamplingParams(max_new_tokens=2, ignore_eos=True))
+        (scored,) = [step.prompt_logprobs for step in stub.Generate(request, timeout=120) if step.prompt_logprobs]
+    for got, expected in ((reply.prompt_logprobs, created.logprobs), (scored, appended.logprobs)):
+        assert len(got) == len(expected)
+        assert [lp.logprob for lp in got] == pytest.approx([lp.logprob for lp in expected], abs=1e-5)
+        assert [list(lp.top_token_ids) for lp in got] == [list(lp.top_ids) for lp in expected]
+        assert [lp.rank for lp in got] == [lp.rank for lp in expected]
+
+
 def children(pid: int) -> list[int]:
     return [int(c) for task in Path(f"/proc/{pid}/task").iterdir() for c in (task / "children").read_text().split()]
 

@@ -60,6 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="tokens per prefill chunk while no other session waits for the engine (a multiple of "
                              "the prefill chunk; larger chunks prefill faster, and a session that arrives meanwhile "
                              "waits for the chunk under way; default: the prefill chunk always)")
+    parser.add_argument("--prompt-logprob-rows", type=int, default=512,
+                        help="prompt rows whose logits are computed at once when a request asks for its prompt's "
+                             "logprobs: the memory they take is about 8 bytes x rows x vocab")
     parser.add_argument("--max-batch-tokens", type=int, default=2048,
                         help="rows (tree nodes + roots) of one verify step; steps beyond it wait for the next")
     parser.add_argument("--max-batch-sessions", type=int, default=256,
@@ -95,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
 def engine_config(args: argparse.Namespace, model: ModelConfig) -> EngineConfig:
     return EngineConfig(page_size=args.page_size, kv_budget_bytes=int(args.kv_budget_mb * (1 << 20)),
                         max_tree_nodes=args.max_tree_nodes, prefill_chunk=args.prefill_chunk,
-                        lone_prefill_chunk=args.lone_prefill_chunk,
+                        lone_prefill_chunk=args.lone_prefill_chunk, prompt_logprob_rows=args.prompt_logprob_rows,
                         max_batch_tokens=args.max_batch_tokens, max_batch_sessions=args.max_batch_sessions,
                         max_context=args.max_context, decode_burst_steps=args.decode_burst_steps,
                         dtype=args.dtype or model.torch_dtype, device=args.device,

@@ -17,6 +17,7 @@ from modeling.speculation import feature_tail
 from verifier_service.admission import DEFAULT_ADMISSION_TIMEOUT_S, KVAdmission
 from verifier_service.drafter_pool import DrafterPool
 from verifier_service.engine.engine import Engine
+from verifier_service.engine.logprobs import TokenLogprob
 from verifier_service.engine.prefill import Prefill
 from verifier_service.engine.sampling import SamplingParams
 from verifier_service.engine.session import Session
@@ -51,6 +52,13 @@ class PrefillEvent:
 
     done: int
     total: int
+
+
+@dataclass(frozen=True)
+class PromptLogprobsEvent:
+    """After a generation's prefill, when asked for: the logprobs of its appended tokens, one each."""
+
+    logprobs: list[TokenLogprob]
 
 
 def _log_warm_up(warming: asyncio.Future) -> None:
@@ -249,7 +257,16 @@ class VerifierService:
         return feature_tail(bool(self.engine.feature_layers), window, self.engine.max_context)
 
     async def create_session(self, prompt: list[int]) -> Session:
-        prefill = await self._call(self.engine.begin_session, prompt, secrets.token_hex(8), self._feature_tail())
+        """A new session of `prompt` (prefill_session, no prompt logprobs)."""
+        session, _ = await self.prefill_session(prompt)
+        return session
+
+    async def prefill_session(self, prompt: list[int], prompt_logprobs: int | None = None
+                              ) -> tuple[Session, list[TokenLogprob] | None]:
+        """A new session of `prompt`; with `prompt_logprobs` (alternatives), the logprobs of its tokens but the first,
+        from its own prefill."""
+        prefill = await self._call(self.engine.begin_session, prompt, secrets.token_hex(8), self._feature_tail(),
+                                   prompt_logprobs)
         session, features = prefill.session, None
         try:
             async for _ in self._prefill(prefill):
@@ -262,7 +279,7 @@ class VerifierService:
         self.leases.grant(session.session_id)
         if self.drafters is not None:
             self.drafters.attach(session.session_id, lambda: session.tokens[:-1], features)
-        return session
+        return session, prefill.logprobs
 
     def session(self, session_id: str) -> Session:
         return self.engine.session(session_id)
@@ -331,10 +348,12 @@ class VerifierService:
     # ---- generation ------------------------------------------------------------------------------------
 
     async def generate(self, session_id: str, append: list[int], params: SamplingParams, keep_session: bool,
-                       tree_budget: int = 0, sink: StepSink | None = None) -> AsyncIterator[PrefillEvent | StepEvent]:
-        """The appended tokens' prefill progress (between its chunks, when it takes more than one), then steps
-        until a stop (into `sink` when given, else yielded); on cancellation or error the session is kept or released
-        as asked. `tree_budget` pins the budget of every step (0: the server's policy).
+                       tree_budget: int = 0, sink: StepSink | None = None, prompt_logprobs: int | None = None
+                       ) -> AsyncIterator[PrefillEvent | PromptLogprobsEvent | StepEvent]:
+        """The appended tokens' prefill progress (between its chunks, when it takes more than one), their logprobs
+        when `prompt_logprobs` asks (and something was appended), then steps until a stop (into `sink` when given, else
+        yielded); on cancellation or error the session is kept or released as asked. `tree_budget` pins the budget of
+        every step (0: the server's policy).
         NOTE: appended tokens stay in the session even if generation fails afterwards."""
         self._check_idle(session_id)
         session = self.engine.session(session_id)
@@ -344,13 +363,15 @@ class VerifierService:
             budgets = self._budgets(session_id, tree_budget)
             if append:
                 prefill = await self._call(self.engine.begin_extend, session_id, append, self._feature_tail(),
-                                           params.max_new_tokens)
+                                           params.max_new_tokens, prompt_logprobs)
                 async with contextlib.aclosing(self._prefill(prefill)) as events:
                     async for event in events:
                         yield event
                 features = prefill.features
                 if self.drafters is not None:
                     self.drafters.add_features(session_id, features)
+                if prefill.logprobs is not None:
+                    yield PromptLogprobsEvent(prefill.logprobs)
             await self._start_generation(session_id, params)
             if self.drafters is not None and params.max_new_tokens > 1:  # NOTE: one token is the prefill's alone
                 self.drafters.open_soon(session_id)  # NOTE: the seed travels while the first steps go without drafts

@@ -17,7 +17,7 @@ from verifier_service.engine.sampling import SamplingParams
 from verifier_service.engine.session import Session
 from verifier_service.engine.stopping import StopReason
 from verifier_service.generation_stream import RUN_AHEAD_EVENTS, StreamSlot, serve_generations
-from verifier_service.service import PrefillEvent, VerifierService
+from verifier_service.service import PrefillEvent, PromptLogprobsEvent, VerifierService
 from verifier_service.step_loop import StepEvent
 
 T = TypeVar("T")
@@ -52,8 +52,14 @@ def params_from_pb(params: common_pb2.SamplingParams) -> SamplingParams:
 
 
 def logprobs_pb(logprobs: list[TokenLogprob] | None) -> list[common_pb2.TokenLogprob]:
-    return [common_pb2.TokenLogprob(logprob=lp.logprob, top_token_ids=lp.top_ids, top_logprobs=lp.top_logprobs)
-            for lp in logprobs or ()]
+    return [common_pb2.TokenLogprob(logprob=lp.logprob, top_token_ids=lp.top_ids, top_logprobs=lp.top_logprobs,
+                                    rank=lp.rank or 0) for lp in logprobs or ()]
+
+
+def prompt_logprobs_of(request: verifier_pb2.VerifierCreateSessionRequest | verifier_pb2.VerifierGenerateRequest
+                       ) -> int | None:
+    """The request's prompt_logprobs (alternatives), None when unset."""
+    return request.prompt_logprobs if request.HasField("prompt_logprobs") else None
 
 
 async def run_ahead(events: AsyncIterator[T], limit: int = RUN_AHEAD_EVENTS) -> AsyncIterator[T]:
@@ -91,7 +97,9 @@ async def run_ahead(events: AsyncIterator[T], limit: int = RUN_AHEAD_EVENTS) -> 
         await asyncio.gather(producer, return_exceptions=True)
 
 
-def _prefill_pb(event: PrefillEvent) -> verifier_pb2.VerifierGenerateStep:
+def _prefill_pb(event: PrefillEvent | PromptLogprobsEvent) -> verifier_pb2.VerifierGenerateStep:
+    if isinstance(event, PromptLogprobsEvent):
+        return verifier_pb2.VerifierGenerateStep(prompt_logprobs=logprobs_pb(event.logprobs))
     return verifier_pb2.VerifierGenerateStep(
         prefill=common_pb2.PrefillProgress(prefilled_tokens=event.done, total_tokens=event.total))
 
@@ -124,9 +132,11 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
     @maps_errors
     async def CreateSession(self, request, context):
         started = time.perf_counter()
-        session = await self.service.create_session(list(request.prompt_token_ids))
+        session, logprobs = await self.service.prefill_session(list(request.prompt_token_ids),
+                                                               prompt_logprobs_of(request))
         return verifier_pb2.VerifierCreateSessionReply(session=self._session_pb(session),
-                                                       prefill_ms=(time.perf_counter() - started) * 1e3)
+                                                       prefill_ms=(time.perf_counter() - started) * 1e3,
+                                                       prompt_logprobs=logprobs_pb(logprobs))
 
     @maps_errors
     async def Generate(self, request, context):
@@ -144,10 +154,10 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         """The generation's messages: all of them, or, given a sink, the prefill's (the steps go into the sink)."""
         params = params_from_pb(request.params)
         events = self.service.generate(request.session_id, list(request.append_token_ids), params,
-                                       request.keep_session, request.tree_budget, sink)
+                                       request.keep_session, request.tree_budget, sink, prompt_logprobs_of(request))
         async with contextlib.aclosing(events):
             async for event in events:
-                yield _prefill_pb(event) if isinstance(event, PrefillEvent) else self._step_pb(event)
+                yield self._step_pb(event) if isinstance(event, StepEvent) else _prefill_pb(event)
 
     def _step_pb(self, event: StepEvent) -> verifier_pb2.VerifierGenerateStep:
         result = event.result
