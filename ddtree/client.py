@@ -62,11 +62,13 @@ def sampling_params(max_new_tokens: int = 0, temperature: float = 0.0, top_k: in
 
 
 def generate_request(text: str = "", *, token_ids: Sequence[int] = (), session: str | None = None,
-                     keep_session: bool = False, tree_budget: int = 0, **params) -> gateway_pb2.GenerateRequest:
-    """`params` as in `sampling_params`; `tree_budget` pins the draft tree per step (0: the server's policy)."""
+                     keep_session: bool = False, tree_budget: int = 0, prompt_logprobs: int | None = None,
+                     **params) -> gateway_pb2.GenerateRequest:
+    """`params` as in `sampling_params`; `tree_budget` pins the draft tree per step (0: the server's policy);
+    `prompt_logprobs`: the prompt's logprobs with that many alternatives (the generation's `prompt`)."""
     return gateway_pb2.GenerateRequest(text=text, token_ids=token_ids, session=session or "",
                                        params=sampling_params(**params), keep_session=keep_session,
-                                       tree_budget=tree_budget)
+                                       tree_budget=tree_budget, prompt_logprobs=prompt_logprobs)
 
 
 def chat_request(messages: Sequence[Mapping[str, str]], *, session: str | None = None, keep_session: bool = False,
@@ -89,6 +91,7 @@ class _Output:
         self.text = ""
         self.token_ids: list[int] = []
         self.logprobs: list[common_pb2.TokenLogprob] = []  # one per token, when asked for
+        self.prompt: gateway_pb2.PromptLogprobs | None = None  # the prompt's logprobs, when asked for
         self.acceptance_lengths: list[int] = []
         self.summary: gateway_pb2.GenerateSummary | None = None
         # time.monotonic() when the first and the latest tokens arrived here (a stopped call has no summary)
@@ -101,6 +104,9 @@ class _Output:
             return None
         if reply.HasField("prefill"):
             return reply.prefill
+        if reply.HasField("prompt"):
+            self.prompt = reply.prompt
+            return None
         chunk = reply.chunk
         if chunk.token_ids:
             self.last_token_at = time.monotonic()
@@ -205,8 +211,10 @@ class Client:
         call = self._stub.Chat(chat_request(messages, **options), timeout=self.timeout, metadata=self._metadata)
         return Generation(call)
 
-    def create_session(self, text: str = "", token_ids: Sequence[int] = ()) -> gateway_pb2.CreateSessionReply:
-        return self._unary(self._stub.CreateSession, gateway_pb2.CreateSessionRequest(text=text, token_ids=token_ids))
+    def create_session(self, text: str = "", token_ids: Sequence[int] = (),
+                       prompt_logprobs: int | None = None) -> gateway_pb2.CreateSessionReply:
+        return self._unary(self._stub.CreateSession, gateway_pb2.CreateSessionRequest(
+            text=text, token_ids=token_ids, prompt_logprobs=prompt_logprobs))
 
     def fork_session(self, handle: str) -> gateway_pb2.SessionInfo:
         return self._unary(self._stub.ForkSession, gateway_pb2.ForkSessionRequest(session=handle))
@@ -261,9 +269,10 @@ class AsyncClient:
         call = self._stub.Chat(chat_request(messages, **options), timeout=self.timeout, metadata=self._metadata)
         return AsyncGeneration(call)
 
-    async def create_session(self, text: str = "", token_ids: Sequence[int] = ()) -> gateway_pb2.CreateSessionReply:
-        return await self._unary(self._stub.CreateSession,
-                                 gateway_pb2.CreateSessionRequest(text=text, token_ids=token_ids))
+    async def create_session(self, text: str = "", token_ids: Sequence[int] = (),
+                             prompt_logprobs: int | None = None) -> gateway_pb2.CreateSessionReply:
+        return await self._unary(self._stub.CreateSession, gateway_pb2.CreateSessionRequest(
+            text=text, token_ids=token_ids, prompt_logprobs=prompt_logprobs))
 
     async def fork_session(self, handle: str) -> gateway_pb2.SessionInfo:
         return await self._unary(self._stub.ForkSession, gateway_pb2.ForkSessionRequest(session=handle))

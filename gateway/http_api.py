@@ -27,10 +27,11 @@ from typing import Any
 import grpc
 from aiohttp import web
 
+from gateway import validation
 from gateway.auth import ApiKeys
 from gateway.errors import InvalidArgument, ModelNotFound
 from gateway.http_errors import NAMES_FIELD, error_body, http_error
-from gateway.openai_logprobs import ChoiceLogprobs, TokenSpelling
+from gateway.openai_logprobs import ChoiceLogprobs, TokenSpelling, joined, prompt_logprobs
 from gateway.openai_requests import OpenAIRequest, chat_request, completion_request
 from gateway.openai_responses import CHAT, COMPLETIONS, Endpoint, Reply
 from gateway.service import Caller, GatewayService
@@ -63,6 +64,7 @@ class HttpApi:
         with _named_as(parsed.names):
             self._check_model(parsed.model)
             prompt = await self.service.prompt(parsed.text, parsed.token_ids, required=not parsed.session)
+            validation.check_prompt_logprobs(parsed.prompt_logprobs)
             return await self._generate(request, caller, parsed, prompt, COMPLETIONS)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
@@ -110,37 +112,58 @@ class HttpApi:
         # NOTE: one per choice: a completion's text offsets run on across its own chunks
         logprobs = [ChoiceLogprobs(self.spelling, endpoint.chat) if params.HasField("logprobs") else None
                     for _ in range(parsed.n)]
-        replies = self.service.generate_choices(caller, prompt, params, parsed.n, parsed.session, parsed.keep_session,
-                                                parsed.fork)
+        echo = (parsed.text or self.service.tokenizer.decode(prompt)) if parsed.echo else None
+        if parsed.prompt_only:
+            replies = self.service.prompt_choices(caller, prompt, parsed.prompt_width, parsed.n, parsed.keep_session)
+        else:
+            replies = self.service.generate_choices(caller, prompt, params, parsed.n, parsed.session,
+                                                    parsed.keep_session, parsed.fork, parsed.prompt_width)
         async with contextlib.aclosing(replies):
             started = await _started(replies)  # NOTE: a failure before any output is the reply's own status
             if parsed.stream:
-                return await self._stream(request, reply, started, text, logprobs)
+                return await self._stream(request, reply, started, text, logprobs, echo, parsed.echo_logprobs)
             chunks: list[list[gateway_pb2.GenerateChunk]] = [[] for _ in range(parsed.n)]
             summaries: dict[int, gateway_pb2.GenerateSummary] = {}
+            scored: dict[int, gateway_pb2.PromptLogprobs] = {}
             async for index, message in started:
                 if message.HasField("summary"):
                     summaries[index] = message.summary
+                elif message.HasField("prompt"):
+                    scored[index] = message.prompt
                 else:
                     chunks[index].append(message.chunk)
-            return web.json_response(reply.body(["".join(map(text, c)) for c in chunks],
+            # NOTE: the echoed prompt's logprobs first: its text offsets come before the reply's
+            echoed = [None if parsed.echo_logprobs is None else lp.prompt(scored[i], parsed.echo_logprobs)
+                      for i, lp in enumerate(logprobs)]
+            vllm = None if parsed.prompt_logprobs is None else [
+                prompt_logprobs(self.spelling, scored[i], parsed.prompt_logprobs) for i in range(parsed.n)]
+            return web.json_response(reply.body([(echo or "") + "".join(map(text, c)) for c in chunks],
                                                 [summaries[i] for i in range(parsed.n)],
-                                                [_logprobs_of(lp, c) for lp, c in zip(logprobs, chunks)]))
+                                                [joined([e, _logprobs_of(lp, c)])
+                                                 for e, lp, c in zip(echoed, logprobs, chunks)], vllm))
 
     async def _stream(self, request: web.Request, reply: Reply,
                       replies: AsyncIterator[tuple[int, gateway_pb2.GenerateReply]], text: _ReplyText,
-                      logprobs: Sequence[ChoiceLogprobs | None]) -> web.StreamResponse:
+                      logprobs: Sequence[ChoiceLogprobs | None], echo: str | None,
+                      echo_logprobs: int | None) -> web.StreamResponse:
         """Server-sent events: OpenAI's chunks, each of one choice as its tokens come, then `data: [DONE]`; a failure
-        is the last event instead."""
+        is the last event instead. An `echo`ed prompt is each choice's first chunk, as vLLM sends it: with its
+        logprobs once they come (`echo_logprobs` alternatives), else at once."""
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
         for chunk in reply.first_chunks():
             await _send(response, chunk)
+        if echo is not None and echo_logprobs is None:
+            for index in range(reply.n):
+                await _send(response, reply.chunk(index, {"content": echo}))
         try:
             async for index, message in replies:
                 if message.HasField("summary"):
                     for chunk in reply.last_chunks(index, message.summary):
                         await _send(response, chunk)
+                elif message.HasField("prompt"):
+                    await _send(response, reply.chunk(index, {"content": echo},
+                                                      logprobs[index].prompt(message.prompt, echo_logprobs)))
                 elif (delta := text(message.chunk)) or message.chunk.logprobs:
                     await _send(response, reply.chunk(index, {"content": delta},
                                                       _logprobs_of(logprobs[index], [message.chunk])))

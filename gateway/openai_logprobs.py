@@ -1,4 +1,5 @@
-"""OpenAI's `logprobs` objects from a generation's TokenLogprob (proto/common.proto), each token spelled on its own.
+"""OpenAI's `logprobs` objects from a generation's TokenLogprob (proto/common.proto), each token spelled on its own;
+an echoed prompt's, and vLLM's `prompt_logprobs`, from its PromptLogprobs (proto/gateway.proto).
 
 NOTE (stop strings): the logprobs cover every generated token, as `usage.completion_tokens` counts them and as vLLM
 reports them: also the token that completed a stop string (and an EOS that ended the reply), though the text stops
@@ -9,10 +10,10 @@ from __future__ import annotations
 
 import functools
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from modeling.tokenizer import Tokenizer
-from proto import common_pb2
+from proto import common_pb2, gateway_pb2
 
 
 class TokenSpelling:
@@ -46,7 +47,8 @@ class ChoiceLogprobs:
         self.chat = chat
         self.offset = 0
 
-    def __call__(self, token_ids: Sequence[int], logprobs: Sequence[common_pb2.TokenLogprob]) -> dict:
+    def __call__(self, token_ids: Sequence[int], logprobs: Sequence[common_pb2.TokenLogprob | None]) -> dict:
+        """None in `logprobs`: a token nothing scored (a prompt's first), null in completions' lists."""
         if self.chat:
             return {"content": [{**self.spelling.entry(token, lp.logprob), "top_logprobs": [
                 self.spelling.entry(i, v) for i, v in zip(lp.top_token_ids, lp.top_logprobs)]}
@@ -54,9 +56,17 @@ class ChoiceLogprobs:
         tokens = [self.spelling.text(token) for token in token_ids]
         offsets = list(itertools.accumulate(map(len, tokens), initial=self.offset))
         self.offset = offsets.pop()
-        return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in logprobs],
-                "top_logprobs": [self._top(token, lp) for token, lp in zip(token_ids, logprobs)],
+        return {"tokens": tokens, "token_logprobs": [None if lp is None else lp.logprob for lp in logprobs],
+                "top_logprobs": [None if lp is None else self._top(token, lp)
+                                 for token, lp in zip(token_ids, logprobs)],
                 "text_offset": offsets}
+
+    def prompt(self, scored: gateway_pb2.PromptLogprobs, alternatives: int) -> dict:
+        """Completions' `logprobs` of an echoed prompt, ahead of the generated tokens': null for the first token of a
+        new prompt (nothing conditions it), `alternatives` best tokens for the others."""
+        return self(scored.token_ids, _aligned(scored, lambda lp: common_pb2.TokenLogprob(
+            logprob=lp.logprob, top_token_ids=lp.top_token_ids[:alternatives],
+            top_logprobs=lp.top_logprobs[:alternatives])))
 
     def _top(self, token: int, logprob: common_pb2.TokenLogprob) -> dict[str, float]:
         """Completions' alternatives: the N best by their strings, and the chosen token always (up to N + 1, as
@@ -65,3 +75,30 @@ class ChoiceLogprobs:
         for i, value in [*zip(logprob.top_token_ids, logprob.top_logprobs), (token, logprob.logprob)]:
             top.setdefault(self.spelling.text(i), value)  # NOTE: two tokens spelled alike keep the better one
         return top
+
+
+def joined(parts: Sequence[dict | None]) -> dict | None:
+    """Completions' `logprobs` objects of consecutive tokens (an echoed prompt's, then a reply's) as one."""
+    present = [p for p in parts if p is not None]
+    return {key: [v for p in present for v in p[key]] for key in present[0]} if present else None
+
+
+def prompt_logprobs(spelling: TokenSpelling, scored: gateway_pb2.PromptLogprobs, alternatives: int
+                    ) -> list[dict[int, dict] | None]:
+    """vLLM's `prompt_logprobs` of a choice: per prompt token, null where nothing scored it (a new prompt's first),
+    else {token id: {logprob, rank, decoded_token}} for the token itself and then its place's `alternatives` best."""
+    def entry(token: int, lp: common_pb2.TokenLogprob) -> dict[int, dict]:
+        ranked = [(token, lp.logprob, lp.rank),
+                  *zip(lp.top_token_ids[:alternatives], lp.top_logprobs[:alternatives], itertools.count(1))]
+        found: dict[int, dict] = {}
+        for i, value, rank in ranked:
+            found.setdefault(i, {"logprob": value, "rank": rank, "decoded_token": spelling.text(i)})
+        return found
+    return [None if lp is None else entry(token, lp)
+            for token, lp in zip(scored.token_ids, _aligned(scored, lambda lp: lp))]
+
+
+def _aligned(scored: gateway_pb2.PromptLogprobs, convert: Callable) -> list:
+    """One entry per prompt token: None for those nothing scored (they lead: the first of a new prompt), `convert`
+    of the logprob for the others."""
+    return [None] * (len(scored.token_ids) - len(scored.logprobs)) + [convert(lp) for lp in scored.logprobs]

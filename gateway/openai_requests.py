@@ -18,7 +18,7 @@ from proto import common_pb2
 
 # Fields this server does not implement: a request may send them only with a value that asks for nothing.
 _NO_OP_VALUES: dict[str, tuple[Any, ...]] = {
-    "best_of": (None, 1), "echo": (None, False), "suffix": (None, ""),
+    "best_of": (None, 1), "echo": (None, False), "prompt_logprobs": (None,), "suffix": (None, ""),
     "logit_bias": (None, {}), "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
     "tools": (None, []), "functions": (None, []), "tool_choice": (None, "none", "auto"),
     "response_format": (None, {"type": "text"}),
@@ -45,16 +45,41 @@ class OpenAIRequest:
     session: str = ""
     keep_session: bool = False
     fork: bool = False
+    echo: bool = False  # completions: the prompt before each choice's text (and its logprobs before theirs)
+    prompt_logprobs: int | None = None  # completions: vLLM's field, each prompt token's logprob and alternatives
+    prompt_only: bool = False  # `echo` with max_tokens 0: the prompt (and its logprobs) alone, nothing generated
+
+    @property
+    def echo_logprobs(self) -> int | None:
+        """The alternatives of the echoed prompt's `logprobs` (the request's `logprobs`); None: none."""
+        return self.params.logprobs if self.echo and self.params.HasField("logprobs") else None
+
+    @property
+    def prompt_width(self) -> int | None:
+        """The alternatives to compute for the prompt's tokens, for `echo` and `prompt_logprobs` both; None: none."""
+        asked = [n for n in (self.echo_logprobs, self.prompt_logprobs) if n is not None]
+        return max(asked) if asked else None
 
 
 def completion_request(body: Any) -> OpenAIRequest:
-    """POST /v1/completions: `prompt` is a string or token ids (or a list holding one of them)."""
+    """POST /v1/completions: `prompt` is a string or token ids (or a list holding one of them); `echo`, and vLLM's
+    `prompt_logprobs` (not with `stream`, as vLLM)."""
     body = _object(body, "request body")
     text, token_ids = _prompt(body.get("prompt"))
     if body.get("top_logprobs") not in (None, 0):
         raise InvalidArgument("top_logprobs: a chat field; completions ask for N alternatives with logprobs: N")
     logprobs = ("logprobs", _integer(body, "logprobs", None))
-    return _request(body, "prompt", "max_tokens", logprobs, text=text, token_ids=token_ids)
+    echo = _typed(body, "echo", bool, False)
+    prompt_logprobs = _int32(body, "prompt_logprobs")
+    if prompt_logprobs is not None and _typed(body, "stream", bool, False):
+        raise InvalidArgument("prompt_logprobs: not with stream: true (as vLLM); use echo with logprobs to stream "
+                              "the prompt's logprobs")
+    request = _request(body, "prompt", "max_tokens", logprobs, ("echo", "prompt_logprobs"), echo=echo,
+                       prompt_logprobs=prompt_logprobs, text=text, token_ids=token_ids)
+    if request.prompt_only and request.session:
+        raise InvalidArgument("max_tokens: 0 (the prompt alone) prefills a new prompt; with ddtree.session there is "
+                              "no call that appends without generating")
+    return request
 
 
 def chat_request(body: Any) -> OpenAIRequest:
@@ -80,10 +105,11 @@ def _chat_logprobs(body: dict) -> int | None:
 
 
 def _request(body: dict, prompt_field: str, max_field: str, logprobs: tuple[str, int | None],
-             **prompt: Any) -> OpenAIRequest:
-    """`logprobs`: the request's field that names the number of alternatives, and the number (None: none)."""
+             implemented: tuple[str, ...] = (), **prompt: Any) -> OpenAIRequest:
+    """`logprobs`: the request's field that names the number of alternatives, and the number (None: none).
+    `implemented`: fields of _NO_OP_VALUES this endpoint does implement."""
     for name, no_ops in _NO_OP_VALUES.items():
-        if body.get(name) not in no_ops:
+        if name not in implemented and body.get(name) not in no_ops:
             allowed = " or ".join(json.dumps(v) for v in no_ops)
             raise InvalidArgument(f"{name}: {json.dumps(body[name])} is not supported (only {allowed})")
     stream = _typed(body, "stream", bool, False)
@@ -97,24 +123,29 @@ def _request(body: dict, prompt_field: str, max_field: str, logprobs: tuple[str,
         raise InvalidArgument("ddtree.fork: needs ddtree.session, the session to fork")
     names = {"text": prompt_field, "token_ids": prompt_field, "text/token_ids": prompt_field,
              "params.temperature": "temperature", "params.top_p": "top_p", "params.max_new_tokens": max_field,
-             "params.stop_strings": "stop", "session": "ddtree.session", "params.logprobs": logprobs[0]}
-    return OpenAIRequest(model=_typed(body, "model", str, ""), params=_params(body, max_field, logprobs),
+             "params.stop_strings": "stop", "session": "ddtree.session", "params.logprobs": logprobs[0],
+             "prompt_logprobs": "prompt_logprobs"}
+    echo = prompt.get("echo", False)
+    prompt_only = echo and _integer(body, max_field, None) == 0
+    return OpenAIRequest(model=_typed(body, "model", str, ""), params=_params(body, max_field, logprobs, echo),
+                         prompt_only=prompt_only,
                          n=_integer(body, "n", 1), stream=stream, names=names,
                          include_usage=_typed(options, "include_usage", bool, False, "stream_options."),
                          session=session, keep_session=_typed(extension, "keep_session", bool, False, "ddtree."),
                          fork=fork, **prompt)
 
 
-def _params(body: dict, max_field: str, logprobs: tuple[str, int | None]) -> common_pb2.SamplingParams:
+def _params(body: dict, max_field: str, logprobs: tuple[str, int | None], echo: bool) -> common_pb2.SamplingParams:
     """OpenAI's defaults where the field is absent: temperature 1 and top_p 1 (sampling); max tokens: the
-    server's default; no logprobs."""
+    server's default (0 only with `echo`: none, the prompt alone); no logprobs."""
     stop = body.get("stop")
     stops = [stop] if isinstance(stop, str) else stop or []
     if not (isinstance(stops, list) and all(isinstance(s, str) for s in stops)):
         raise InvalidArgument("stop: must be a string or a list of strings")
     max_tokens = _integer(body, max_field, 0)
-    if body.get(max_field) is not None and not 0 < max_tokens < _INT32:
-        raise InvalidArgument(f"{max_field}: must be a positive 32-bit integer, got {max_tokens}")
+    if body.get(max_field) is not None and not (0 if echo else 1) <= max_tokens < _INT32:
+        raise InvalidArgument(f"{max_field}: must be a positive 32-bit integer (or 0 with echo: true, the prompt "
+                              f"alone), got {max_tokens}")
     params = common_pb2.SamplingParams(temperature=_number(body, "temperature", 1.0), top_p=_number(body, "top_p", 1.0),
                                        max_new_tokens=max_tokens, stop_strings=stops)
     seed = _integer(body, "seed", None)
@@ -124,10 +155,22 @@ def _params(body: dict, max_field: str, logprobs: tuple[str, int | None]) -> com
         params.seed = seed
     field, alternatives = logprobs
     if alternatives is not None:
-        if not -_INT32 <= alternatives < _INT32:  # NOTE: the range itself is validation.py's, as for gRPC
-            raise InvalidArgument(f"{field}: must be a 32-bit integer, got {alternatives}")
+        _check_int32(field, alternatives)
         params.logprobs = alternatives
     return params
+
+
+def _int32(body: dict, name: str) -> int | None:
+    value = _integer(body, name, None)
+    if value is not None:
+        _check_int32(name, value)
+    return value
+
+
+def _check_int32(name: str, value: int) -> None:
+    """Fits the contract's int32; the range itself is validation.py's, as for gRPC."""
+    if not -_INT32 <= value < _INT32:
+        raise InvalidArgument(f"{name}: must be a 32-bit integer, got {value}")
 
 
 def _prompt(prompt: Any) -> tuple[str, tuple[int, ...]]:

@@ -81,10 +81,13 @@ class Reply:
         self._ended: dict[int, gateway_pb2.GenerateSummary] = {}
 
     def body(self, texts: Sequence[str], summaries: Sequence[gateway_pb2.GenerateSummary],
-             logprobs: Sequence[dict | None]) -> dict:
-        """The non-streaming response: choice i of `texts[i]`, `summaries[i]` and `logprobs[i]`."""
+             logprobs: Sequence[dict | None], prompt_logprobs: Sequence[list] | None = None) -> dict:
+        """The non-streaming response: choice i of `texts[i]`, `summaries[i]` and `logprobs[i]`, and with
+        `prompt_logprobs` (vLLM's, when asked for) its `prompt_logprobs[i]`."""
         choices = [self.endpoint.choice(i, text, _finish_reason(summary), lp)
                    for i, (text, summary, lp) in enumerate(zip(texts, summaries, logprobs))]
+        if prompt_logprobs is not None:
+            choices = [{**choice, "prompt_logprobs": scored} for choice, scored in zip(choices, prompt_logprobs)]
         return {**self._head, "object": self.endpoint.object, "choices": choices, "usage": usage(summaries),
                 "ddtree": extension(summaries)}
 

@@ -112,15 +112,21 @@ class GatewayService:
 
     # -- sessions
 
-    async def create_session(self, caller: Caller, prompt: list[int]) -> gateway_pb2.CreateSessionReply:
-        """Prefill `prompt` on the verifier with the most KV room (VerifierPool.pick); hand back a new handle."""
+    async def create_session(self, caller: Caller, prompt: list[int],
+                             prompt_logprobs: int | None = None) -> gateway_pb2.CreateSessionReply:
+        """Prefill `prompt` on the verifier with the most KV room (VerifierPool.pick); hand back a new handle, and with
+        `prompt_logprobs` (alternatives) the logprobs of the prompt's tokens but the first."""
+        validation.check_prompt_logprobs(prompt_logprobs)
         address = self.pool.pick()
         self._check_room(caller.account, len(prompt))
+        request = verifier_pb2.VerifierCreateSessionRequest(prompt_token_ids=prompt, prompt_logprobs=prompt_logprobs)
         reply = await self.pool.stub(address).CreateSession(
-            verifier_pb2.VerifierCreateSessionRequest(prompt_token_ids=prompt),
-            timeout=_capped(caller.timeout, self.config.prefill_timeout_s))
+            request, timeout=_capped(caller.timeout, self.config.prefill_timeout_s))
         entry = await self._register(caller, address, reply.session)
-        return gateway_pb2.CreateSessionReply(session=self._info(entry, reply.session), prefill_ms=reply.prefill_ms)
+        created = gateway_pb2.CreateSessionReply(session=self._info(entry, reply.session), prefill_ms=reply.prefill_ms)
+        if prompt_logprobs is not None:
+            created.prompt_logprobs.CopyFrom(_scored(prompt, reply.prompt_logprobs, fresh=True))
+        return created
 
     async def fork_session(self, caller: Caller, handle: str) -> gateway_pb2.SessionInfo:
         parent = self.registry.get(handle, caller.owner)
@@ -157,16 +163,19 @@ class GatewayService:
     # -- generation
 
     async def generate(self, caller: Caller, prompt: list[int], params: common_pb2.SamplingParams, handle: str,
-                       keep_session: bool, fork: bool = False, tree_budget: int = 0,
-                       started: float | None = None) -> AsyncIterator[gateway_pb2.GenerateReply]:
+                       keep_session: bool, fork: bool = False, tree_budget: int = 0, started: float | None = None,
+                       prompt_logprobs: int | None = None) -> AsyncIterator[gateway_pb2.GenerateReply]:
         """A long prefill's progress, chunks, then the summary. Without `handle` the prompt goes to a fresh
         session (held under a handle while it runs, so it counts against the key's limits), which is dropped if
         the call ends before its prompt is in; with one, it is appended; with `fork`, it is appended to a fork of
         it, which is kept with `keep_session` (the parent stays as it was). A failure after the first chunk ends
         the stream with its status: the chunks sent before it stand (exact). `tree_budget` pins the draft tree
         of every step (0: the verifier's policy; the verifier knows its maximum and checks it). `started`: when the
-        request came (default now), from which its first token's time and the caller's deadline count."""
+        request came (default now), from which its first token's time and the caller's deadline count.
+        `prompt_logprobs` (alternatives): one `prompt` reply after the prefill, the logprobs of `prompt`'s tokens (all
+        of them given the session before, or but the first on a fresh session)."""
         validation.check_tree_budget(tree_budget)
+        validation.check_prompt_logprobs(prompt_logprobs)
         started = self._clock() if started is None else started
         fresh = not handle
         if handle and fork:
@@ -185,12 +194,18 @@ class GatewayService:
                 self._reserve(entry, len(append) + params.max_new_tokens)
                 request = verifier_pb2.VerifierGenerateRequest(session_id=entry.verifier_session_id,
                                                                append_token_ids=append, params=params,
-                                                               keep_session=keep, tree_budget=tree_budget)
+                                                               keep_session=keep, tree_budget=tree_budget,
+                                                               prompt_logprobs=prompt_logprobs)
                 left = None if caller.timeout is None else max(0.0, caller.timeout - (self._clock() - started))
                 steps = self.pool.generate(entry.verifier, request, left)
                 try:
+                    if prompt_logprobs is not None and not append:  # NOTE: nothing to prefill, so nothing comes
+                        yield gateway_pb2.GenerateReply(prompt=_scored(prompt, [], fresh))
                     async for step in steps:
-                        yield relay.reply(step)
+                        if step.prompt_logprobs:
+                            yield gateway_pb2.GenerateReply(prompt=_scored(prompt, step.prompt_logprobs, fresh))
+                        else:
+                            yield relay.reply(step)
                 finally:
                     await steps.aclose()  # a no-op once the generation ended; stops it at the verifier otherwise
                     entry.reserved = 0
@@ -204,29 +219,37 @@ class GatewayService:
         yield relay.summary(handle if keep else "", prompt_tokens=len(prompt))
 
     async def generate_choices(self, caller: Caller, prompt: list[int], params: common_pb2.SamplingParams, n: int,
-                               handle: str, keep_session: bool,
-                               fork: bool = False) -> AsyncIterator[tuple[int, gateway_pb2.GenerateReply]]:
+                               handle: str, keep_session: bool, fork: bool = False, prompt_logprobs: int | None = None
+                               ) -> AsyncIterator[tuple[int, gateway_pb2.GenerateReply]]:
         """`n` generations of one prompt (OpenAI's `n` choices), their replies interleaved as they come, each with
         its choice's index. One is `generate` itself. More run together, each as `generate` on a fork released at
         its end: forks of `handle` (which stays as it was, `fork` or not), each appending `prompt` itself; without
         a handle, forks of a new session of `prompt`, prefilled once for them all and released last. Choice i
         samples with seed + i (gateway/choices.py). The first failure ends every choice (each releases its fork)
-        and is raised once."""
+        and is raised once. `prompt_logprobs`: as in `generate`, for every choice: computed once by a new prompt's
+        shared prefill; with a handle each choice prefills the prompt on its own fork and scores it there (so that
+        its `prompt` reply comes before its own chunks)."""
         validation.check_choices(n, keep_session)
         if n == 1:
-            async with contextlib.aclosing(self.generate(caller, prompt, params, handle, keep_session, fork)) as one:
+            async with contextlib.aclosing(self.generate(caller, prompt, params, handle, keep_session, fork,
+                                                         prompt_logprobs=prompt_logprobs)) as one:
                 async for reply in one:
                     yield 0, reply
             return
         started, fresh = self._clock(), not handle
         self.registry.check_room(caller.account, n + 1 if fresh else n)  # NOTE: each fork, and the prompt's session
         if fresh:
-            handle = (await self.create_session(caller, prompt)).session.session
+            created = await self.create_session(caller, prompt, prompt_logprobs)
+            handle = created.session.session
         try:
+            if fresh and prompt_logprobs is not None:
+                for index in range(n):
+                    yield index, gateway_pb2.GenerateReply(prompt=created.prompt_logprobs)
             append = [] if fresh else prompt
             # NOTE: from the request's arrival: each choice's first token waited for the shared prefill too
             choices = [self.generate(caller, append, choice_params(params, i), handle, keep_session=False, fork=True,
-                                     started=started) for i in range(n)]
+                                     started=started, prompt_logprobs=None if fresh else prompt_logprobs)
+                       for i in range(n)]
             async with contextlib.aclosing(interleaved(choices)) as replies:
                 async for index, reply in replies:
                     if reply.HasField("summary"):
@@ -235,6 +258,25 @@ class GatewayService:
         finally:
             if fresh:
                 await self._forget(handle, caller.owner, release=True)
+
+    async def prompt_choices(self, caller: Caller, prompt: list[int], prompt_logprobs: int | None, n: int,
+                             keep_session: bool) -> AsyncIterator[tuple[int, gateway_pb2.GenerateReply]]:
+        """The prompt alone, nothing generated (OpenAI's `echo` with max_tokens 0): one prefill into a new session,
+        kept with `keep_session`; each of `n` choices gets the `prompt` reply (with `prompt_logprobs`) and a summary of
+        no tokens, as `generate_choices` would hand them on."""
+        validation.check_choices(n, keep_session)
+        started = self._clock()
+        created = await self.create_session(caller, prompt, prompt_logprobs)
+        handle = created.session.session if keep_session else ""
+        if not keep_session:
+            await self._forget(created.session.session, caller.owner, release=True)
+        summary = gateway_pb2.GenerateSummary(stop_reason=common_pb2.STOP_REASON_LENGTH, session=handle,
+                                              prompt_tokens=len(prompt), session_tokens=len(prompt),
+                                              e2e_ms=1e3 * (self._clock() - started))
+        for index in range(n):
+            if prompt_logprobs is not None:
+                yield index, gateway_pb2.GenerateReply(prompt=created.prompt_logprobs)
+            yield index, gateway_pb2.GenerateReply(summary=summary)
 
     # -- model and service
 
@@ -352,6 +394,14 @@ class GatewayService:
 
     def close(self) -> None:
         self._tokenizing.shutdown(wait=False, cancel_futures=True)
+
+
+def _scored(prompt: list[int], logprobs: Sequence[common_pb2.TokenLogprob], fresh: bool) -> gateway_pb2.PromptLogprobs:
+    """The prompt's logprobs as the verifier computed them: every token's but, on a fresh session, the first's.
+    NOTE: anything else is refused rather than handed on misaligned."""
+    if len(logprobs) != len(prompt) - fresh:
+        raise NoVerifier(f"the verifier scored {len(logprobs)} of the prompt's {len(prompt)} tokens; retry")
+    return gateway_pb2.PromptLogprobs(token_ids=prompt, logprobs=logprobs)
 
 
 def _capped(timeout: float | None, cap: float) -> float:

@@ -31,6 +31,10 @@ def _count(servicer: GatewayServicer, code: grpc.StatusCode) -> None:
 _maps_errors = maps_status(translate=verifier_status, on_status=_count)
 
 
+def _prompt_logprobs(request: gateway_pb2.GenerateRequest | gateway_pb2.CreateSessionRequest) -> int | None:
+    return request.prompt_logprobs if request.HasField("prompt_logprobs") else None
+
+
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     def __init__(self, service: GatewayService, keys: ApiKeys):
         self.service = service
@@ -43,7 +47,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         prompt = await self.service.prompt(request.text, request.token_ids, required=not request.session)
         params = self.service.params(request.params)
         async for reply in self.service.generate(caller, prompt, params, request.session, request.keep_session,
-                                                 tree_budget=request.tree_budget):
+                                                 tree_budget=request.tree_budget,
+                                                 prompt_logprobs=_prompt_logprobs(request)):
             yield reply
 
     @_maps_errors
@@ -62,7 +67,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                             context: grpc.aio.ServicerContext) -> gateway_pb2.CreateSessionReply:
         caller = self._caller(context)
         prompt = await self.service.prompt(request.text, request.token_ids, required=True)
-        return await self.service.create_session(caller, prompt)
+        return await self.service.create_session(caller, prompt, _prompt_logprobs(request))
 
     @_maps_errors
     async def ForkSession(self, request: gateway_pb2.ForkSessionRequest,

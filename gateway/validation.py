@@ -82,6 +82,12 @@ def check_choices(n: int, keep_session: bool) -> None:
                               "nothing says which; ask for n = 1 to keep a session")
 
 
+def check_prompt_logprobs(prompt_logprobs: int | None) -> None:
+    """None (none asked for) or 0 to MAX_LOGPROBS alternatives."""
+    if prompt_logprobs is not None:
+        _check_range("prompt_logprobs", prompt_logprobs, 0, MAX_LOGPROBS)
+
+
 def check_tree_budget(tree_budget: int) -> None:
     """Only the sign: the maximum is the verifier's (its --tree-budget), which checks it."""
     if tree_budget < 0:
