@@ -262,3 +262,18 @@ def test_completions_alternatives_hold_the_chosen_token_and_offsets_run_on_acros
     assert first["tokens"] == ["a", "\\xc3"] and first["token_logprobs"] == [-3.0, -3.0]
     assert first["top_logprobs"][0] == {"x": -0.5, "y": -1.0, "a": -3.0}  # N best, and the chosen one
     assert first["text_offset"] == [0, 1] and logprobs([ord("b")], [sampled])["text_offset"] == [5]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("prefill_chunk", [24, 512], ids=["graphed-chunks", "prefill-path"])
+def test_prompt_logprobs_on_the_gpu(tiny_target, hf_logprobs, prefill_chunk: int) -> None:
+    """The CUDA paths: chunks short enough for the graphs' verify blocks (their hidden rows a graph's output) and a
+    long chunk through the fused prefill attention; against transformers' fp32 on the CPU (a looser bound)."""
+    engine = make_engine(tiny_target, device="cuda", attention="triton", prefill_chunk=prefill_chunk,
+                         prompt_logprob_rows=7)
+    prompt = [1 + (i * 37) % 250 for i in range(300)]
+    logprobs = prefilled(engine.begin_session(prompt, prompt_logprobs=4))
+    reference = hf_logprobs(prompt)[:-1]
+    expected = reference.gather(-1, torch.tensor(prompt[1:])[:, None])[:, 0]
+    torch.testing.assert_close(torch.tensor([lp.logprob for lp in logprobs]), expected, atol=1e-2, rtol=1e-2)
+    assert [lp.top_ids[0] for lp in logprobs] == reference.argmax(-1).tolist()
