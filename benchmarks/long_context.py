@@ -561,8 +561,10 @@ def main() -> None:
     if args.shared_prefill and not args.kv_budget_mb:  # NOTE: the forks' own pages beside their parents'
         kv_mb += kv_budget_mb(found.target, args.max_new_tokens + args.tree_budget + 2 * args.page_size,
                               args.sessions, args.page_size)
+    # NOTE: --no-prefix-caching: every run of a document (budgets, repeats) prefills it, so TTFT is the prefill's
     plan = StackPlan(found, ("--tree-budget", str(args.tree_budget), "--max-context", str(max_context),
-                             "--kv-budget-mb", f"{kv_mb:.1f}", "--page-size", str(args.page_size), *extra_verifier),
+                             "--kv-budget-mb", f"{kv_mb:.1f}", "--page-size", str(args.page_size),
+                             "--no-prefix-caching", *extra_verifier),
                      tuple(extra_drafter), {context: [[text[:context] for text in prompts(args.sessions, context, d)]
                                                       for d in range(args.documents)] for context in args.contexts},
                      pins, args.repeats, args.shared_prefill, args.max_new_tokens, args.start_timeout_s, args.log_dir)

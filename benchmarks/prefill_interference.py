@@ -164,7 +164,7 @@ def main() -> None:
     stack = LocalStack(str(found.target), args.drafter, 1, found.device, f"127.0.0.1:{free_port()}",
                        verifier_args=("--max-context", str(max(longest, decoder_context)), "--kv-budget-mb",
                                       f"{kv_mb:.1f}", "--page-size", str(args.page_size), "--decode-burst-steps", "1",
-                                      *verifier_args))
+                                      "--no-prefix-caching", *verifier_args))  # NOTE: each long prompt is prefilled
     stack.start(timeout_s=args.start_timeout_s)
     rows = []
     try:

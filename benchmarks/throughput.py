@@ -304,8 +304,9 @@ def main() -> None:
         raise SystemExit("--target DIR or --tiny")
     pins = budget_pins(args.tree_budgets or [str(args.tree_budget)], parser.error)
     max_budget = max((pin for pin in pins.values() if pin), default=args.tree_budget)
+    # NOTE: --no-prefix-caching: each budget and repeat runs the same prompts, and every run prefills them alike
     verifier_args = ("--tree-budget", str(max_budget), "--max-context", str(args.context + 2048),
-                     "--budget-policy", "adaptive" if "adaptive" in pins else "fixed",
+                     "--budget-policy", "adaptive" if "adaptive" in pins else "fixed", "--no-prefix-caching",
                      *(("--attention", "triton", "--kv-budget-mb", "32768")
                        if args.device == "cuda" else ()),
                      *(word for value in args.verifier_arg for word in shlex.split(value)))

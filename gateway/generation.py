@@ -26,10 +26,12 @@ class Relay:
         self.session_tokens = 0
         self.last_token: int | None = None
         self.stop_reason: int | None = None  # until a step says it finished
+        self.cached_tokens = 0  # of the appended prompt, the tokens the verifier's prefix cache held
 
     def reply(self, step: verifier_pb2.VerifierGenerateStep) -> gateway_pb2.GenerateReply:
         """The client's message for a verifier message: a chunk for a step, the progress of a prefill as it is."""
         if step.HasField("prefill"):
+            self.cached_tokens = step.prefill.cached_tokens
             return gateway_pb2.GenerateReply(prefill=step.prefill)
         return self.chunk(step)
 
@@ -74,5 +76,6 @@ class Relay:
             mean_acceptance_length=self.acceptance_sum / self.steps if self.steps else 0.0,
             e2e_ms=1e3 * (now - self.started),
             session_tokens=self.session_tokens,
+            cached_tokens=self.cached_tokens,
         )
         return gateway_pb2.GenerateReply(summary=summary)

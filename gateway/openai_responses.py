@@ -45,13 +45,13 @@ CHAT = Endpoint(chat=True)
 
 def usage(summaries: Sequence[gateway_pb2.GenerateSummary]) -> dict:
     """OpenAI's usage: the prompt once, the whole context the choices follow (the same for all); what a session
-    already held (or a fork shared) is `cached_tokens`, prefilled before this call. The completion counts every
-    choice's tokens."""
+    already held (or a fork shared), prefilled before this call, and what the verifier's prefix cache held is
+    `cached_tokens`. The completion counts every choice's tokens."""
     first = summaries[0]
     prompt = first.session_tokens - first.generated_tokens
     completion = sum(s.generated_tokens for s in summaries)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": prompt - first.prompt_tokens}}
+            "prompt_tokens_details": {"cached_tokens": prompt - first.prompt_tokens + first.cached_tokens}}
 
 
 def extension(summaries: Sequence[gateway_pb2.GenerateSummary]) -> dict:

@@ -123,7 +123,8 @@ class GatewayService:
         reply = await self.pool.stub(address).CreateSession(
             request, timeout=_capped(caller.timeout, self.config.prefill_timeout_s))
         entry = await self._register(caller, address, reply.session)
-        created = gateway_pb2.CreateSessionReply(session=self._info(entry, reply.session), prefill_ms=reply.prefill_ms)
+        created = gateway_pb2.CreateSessionReply(session=self._info(entry, reply.session), prefill_ms=reply.prefill_ms,
+                                                 cached_tokens=reply.cached_tokens)
         if prompt_logprobs is not None:
             created.prompt_logprobs.CopyFrom(_scored(prompt, reply.prompt_logprobs, fresh=True))
         return created
@@ -254,6 +255,8 @@ class GatewayService:
                 async for index, reply in replies:
                     if reply.HasField("summary"):
                         reply.summary.prompt_tokens = len(prompt)  # NOTE: what this call prefilled, for all choices
+                        if fresh:
+                            reply.summary.cached_tokens = created.cached_tokens
                     yield index, reply
         finally:
             if fresh:
@@ -272,6 +275,7 @@ class GatewayService:
             await self._forget(created.session.session, caller.owner, release=True)
         summary = gateway_pb2.GenerateSummary(stop_reason=common_pb2.STOP_REASON_LENGTH, session=handle,
                                               prompt_tokens=len(prompt), session_tokens=len(prompt),
+                                              cached_tokens=created.cached_tokens,
                                               e2e_ms=1e3 * (self._clock() - started))
         for index in range(n):
             if prompt_logprobs is not None:

@@ -81,12 +81,14 @@ class DraftTree(_message.Message):
     def __init__(self, tokens: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[int]] = ..., depths: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class PrefillProgress(_message.Message):
-    __slots__ = ("prefilled_tokens", "total_tokens")
+    __slots__ = ("prefilled_tokens", "total_tokens", "cached_tokens")
     PREFILLED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prefilled_tokens: int
     total_tokens: int
-    def __init__(self, prefilled_tokens: _Optional[int] = ..., total_tokens: _Optional[int] = ...) -> None: ...
+    cached_tokens: int
+    def __init__(self, prefilled_tokens: _Optional[int] = ..., total_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class StepTimings(_message.Message):
     __slots__ = ("prefill_ms", "draft_wait_ms", "verify_ms", "commit_ms")

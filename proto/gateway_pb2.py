@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from proto import common_pb2 as proto_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13proto/gateway.proto\x12\tddtree.v1\x1a\x12proto/common.proto\"\xcb\x01\n\x0fGenerateRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0f\n\x07session\x18\x03 \x01(\t\x12)\n\x06params\x18\x04 \x01(\x0b\x32\x19.ddtree.v1.SamplingParams\x12\x14\n\x0ckeep_session\x18\x05 \x01(\x08\x12\x13\n\x0btree_budget\x18\x06 \x01(\x05\x12\x1c\n\x0fprompt_logprobs\x18\x07 \x01(\x05H\x00\x88\x01\x01\x42\x12\n\x10_prompt_logprobs\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\x9e\x01\n\x0b\x43hatRequest\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.ddtree.v1.ChatMessage\x12\x0f\n\x07session\x18\x02 \x01(\t\x12)\n\x06params\x18\x03 \x01(\x0b\x32\x19.ddtree.v1.SamplingParams\x12\x14\n\x0ckeep_session\x18\x04 \x01(\x08\x12\x13\n\x0btree_budget\x18\x05 \x01(\x05\"\xcd\x01\n\rGenerateReply\x12)\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x18.ddtree.v1.GenerateChunkH\x00\x12-\n\x07summary\x18\x02 \x01(\x0b\x32\x1a.ddtree.v1.GenerateSummaryH\x00\x12-\n\x07prefill\x18\x03 \x01(\x0b\x32\x1a.ddtree.v1.PrefillProgressH\x00\x12+\n\x06prompt\x18\x04 \x01(\x0b\x32\x19.ddtree.v1.PromptLogprobsH\x00\x42\x06\n\x04kind\"N\n\x0ePromptLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12)\n\x08logprobs\x18\x02 \x03(\x0b\x32\x17.ddtree.v1.TokenLogprob\"v\n\rGenerateChunk\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x19\n\x11\x61\x63\x63\x65ptance_length\x18\x03 \x01(\x05\x12)\n\x08logprobs\x18\x04 \x03(\x0b\x32\x17.ddtree.v1.TokenLogprob\"\x82\x02\n\x0fGenerateSummary\x12*\n\x0bstop_reason\x18\x01 \x01(\x0e\x32\x15.ddtree.v1.StopReason\x12\x0f\n\x07session\x18\x02 \x01(\t\x12\x15\n\rprompt_tokens\x18\x03 \x01(\x05\x12\x18\n\x10generated_tokens\x18\x04 \x01(\x05\x12\r\n\x05steps\x18\x05 \x01(\x05\x12\x0f\n\x07ttft_ms\x18\x06 \x01(\x02\x12\x19\n\x11tokens_per_second\x18\x07 \x01(\x02\x12\x1e\n\x16mean_acceptance_length\x18\x08 \x01(\x02\x12\x0e\n\x06\x65\x32\x65_ms\x18\t \x01(\x02\x12\x16\n\x0esession_tokens\x18\n \x01(\x05\"i\n\x14\x43reateSessionRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x1c\n\x0fprompt_logprobs\x18\x03 \x01(\x05H\x00\x88\x01\x01\x42\x12\n\x10_prompt_logprobs\"\x85\x01\n\x12\x43reateSessionReply\x12\'\n\x07session\x18\x01 \x01(\x0b\x32\x16.ddtree.v1.SessionInfo\x12\x12\n\nprefill_ms\x18\x02 \x01(\x02\x12\x32\n\x0fprompt_logprobs\x18\x03 \x01(\x0b\x32\x19.ddtree.v1.PromptLogprobs\"\x96\x01\n\x0bSessionInfo\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x12\n\nnum_tokens\x18\x02 \x01(\x05\x12\x12\n\npages_used\x18\x03 \x01(\x05\x12\x14\n\x0cpages_shared\x18\x04 \x01(\x05\x12\x12\n\ngenerating\x18\x05 \x01(\x08\x12\x0e\n\x06idle_s\x18\x06 \x01(\x02\x12\x14\n\x0c\x65xpires_in_s\x18\x07 \x01(\x02\"%\n\x12\x46orkSessionRequest\x12\x0f\n\x07session\x18\x01 \x01(\t\"(\n\x15ReleaseSessionRequest\x12\x0f\n\x07session\x18\x01 \x01(\t\"\x15\n\x13ReleaseSessionReply\"$\n\x11GetSessionRequest\x12\x0f\n\x07session\x18\x01 \x01(\t\"\x15\n\x13ListSessionsRequest\"=\n\x11ListSessionsReply\x12(\n\x08sessions\x18\x01 \x03(\x0b\x32\x16.ddtree.v1.SessionInfo\"\x13\n\x11ListModelsRequest\"7\n\x0fListModelsReply\x12$\n\x06models\x18\x01 \x03(\x0b\x32\x14.ddtree.v1.ModelInfo\"o\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0bmax_context\x18\x02 \x01(\x05\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x15\n\reos_token_ids\x18\x04 \x03(\x05\x12\x14\n\x0c\x64rafter_kind\x18\x05 \x01(\t\"\r\n\x0bInfoRequest\"\xf9\x01\n\tInfoReply\x12\x0f\n\x07version\x18\x01 \x01(\t\x12#\n\x05model\x18\x02 \x01(\x0b\x32\x14.ddtree.v1.ModelInfo\x12\x11\n\tverifiers\x18\x03 \x01(\x05\x12\x14\n\x0cverifiers_up\x18\x04 \x01(\x05\x12\x15\n\rauth_required\x18\x05 \x01(\x08\x12\x1a\n\x12session_idle_ttl_s\x18\x06 \x01(\x02\x12\x1c\n\x14max_sessions_per_key\x18\x07 \x01(\x05\x12\x1c\n\x14max_new_tokens_limit\x18\x08 \x01(\x05\x12\x1e\n\x16\x64\x65\x66\x61ult_max_new_tokens\x18\t \x01(\x05\x32\x84\x05\n\x07Gateway\x12\x42\n\x08Generate\x12\x1a.ddtree.v1.GenerateRequest\x1a\x18.ddtree.v1.GenerateReply0\x01\x12:\n\x04\x43hat\x12\x16.ddtree.v1.ChatRequest\x1a\x18.ddtree.v1.GenerateReply0\x01\x12O\n\rCreateSession\x12\x1f.ddtree.v1.CreateSessionRequest\x1a\x1d.ddtree.v1.CreateSessionReply\x12\x44\n\x0b\x46orkSession\x12\x1d.ddtree.v1.ForkSessionRequest\x1a\x16.ddtree.v1.SessionInfo\x12R\n\x0eReleaseSession\x12 .ddtree.v1.ReleaseSessionRequest\x1a\x1e.ddtree.v1.ReleaseSessionReply\x12\x42\n\nGetSession\x12\x1c.ddtree.v1.GetSessionRequest\x1a\x16.ddtree.v1.SessionInfo\x12L\n\x0cListSessions\x12\x1e.ddtree.v1.ListSessionsRequest\x1a\x1c.ddtree.v1.ListSessionsReply\x12\x46\n\nListModels\x12\x1c.ddtree.v1.ListModelsRequest\x1a\x1a.ddtree.v1.ListModelsReply\x12\x34\n\x04Info\x12\x16.ddtree.v1.InfoRequest\x1a\x14.ddtree.v1.InfoReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13proto/gateway.proto\x12\tddtree.v1\x1a\x12proto/common.proto\"\xcb\x01\n\x0fGenerateRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0f\n\x07session\x18\x03 \x01(\t\x12)\n\x06params\x18\x04 \x01(\x0b\x32\x19.ddtree.v1.SamplingParams\x12\x14\n\x0ckeep_session\x18\x05 \x01(\x08\x12\x13\n\x0btree_budget\x18\x06 \x01(\x05\x12\x1c\n\x0fprompt_logprobs\x18\x07 \x01(\x05H\x00\x88\x01\x01\x42\x12\n\x10_prompt_logprobs\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\x9e\x01\n\x0b\x43hatRequest\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.ddtree.v1.ChatMessage\x12\x0f\n\x07session\x18\x02 \x01(\t\x12)\n\x06params\x18\x03 \x01(\x0b\x32\x19.ddtree.v1.SamplingParams\x12\x14\n\x0ckeep_session\x18\x04 \x01(\x08\x12\x13\n\x0btree_budget\x18\x05 \x01(\x05\"\xcd\x01\n\rGenerateReply\x12)\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x18.ddtree.v1.GenerateChunkH\x00\x12-\n\x07summary\x18\x02 \x01(\x0b\x32\x1a.ddtree.v1.GenerateSummaryH\x00\x12-\n\x07prefill\x18\x03 \x01(\x0b\x32\x1a.ddtree.v1.PrefillProgressH\x00\x12+\n\x06prompt\x18\x04 \x01(\x0b\x32\x19.ddtree.v1.PromptLogprobsH\x00\x42\x06\n\x04kind\"N\n\x0ePromptLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12)\n\x08logprobs\x18\x02 \x03(\x0b\x32\x17.ddtree.v1.TokenLogprob\"v\n\rGenerateChunk\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x19\n\x11\x61\x63\x63\x65ptance_length\x18\x03 \x01(\x05\x12)\n\x08logprobs\x18\x04 \x03(\x0b\x32\x17.ddtree.v1.TokenLogprob\"\x99\x02\n\x0fGenerateSummary\x12*\n\x0bstop_reason\x18\x01 \x01(\x0e\x32\x15.ddtree.v1.StopReason\x12\x0f\n\x07session\x18\x02 \x01(\t\x12\x15\n\rprompt_tokens\x18\x03 \x01(\x05\x12\x18\n\x10generated_tokens\x18\x04 \x01(\x05\x12\r\n\x05steps\x18\x05 \x01(\x05\x12\x0f\n\x07ttft_ms\x18\x06 \x01(\x02\x12\x19\n\x11tokens_per_second\x18\x07 \x01(\x02\x12\x1e\n\x16mean_acceptance_length\x18\x08 \x01(\x02\x12\x0e\n\x06\x65\x32\x65_ms\x18\t \x01(\x02\x12\x16\n\x0esession_tokens\x18\n \x01(\x05\x12\x15\n\rcached_tokens\x18\x0b \x01(\x05\"i\n\x14\x43reateSessionRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x1c\n\x0fprompt_logprobs\x18\x03 \x01(\x05H\x00\x88\x01\x01\x42\x12\n\x10_prompt_logprobs\"\x9c\x01\n\x12\x43reateSessionReply\x12\'\n\x07session\x18\x01 \x01(\x0b\x32\x16.ddtree.v1.SessionInfo\x12\x12\n\nprefill_ms\x18\x02 \x01(\x02\x12\x32\n\x0fprompt_logprobs\x18\x03 \x01(\x0b\x32\x19.ddtree.v1.PromptLogprobs\x12\x15\n\rcached_tokens\x18\x04 \x01(\x05\"\x96\x01\n\x0bSessionInfo\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x12\n\nnum_tokens\x18\x02 \x01(\x05\x12\x12\n\npages_used\x18\x03 \x01(\x05\x12\x14\n\x0cpages_shared\x18\x04 \x01(\x05\x12\x12\n\ngenerating\x18\x05 \x01(\x08\x12\x0e\n\x06idle_s\x18\x06 \x01(\x02\x12\x14\n\x0c\x65xpires_in_s\x18\x07 \x01(\x02\"%\n\x12\x46orkSessionRequest\x12\x0f\n\x07session\x18\x01 \x01(\t\"(\n\x15ReleaseSessionRequest\x12\x0f\n\x07session\x18\x01 \x01(\t\"\x15\n\x13ReleaseSessionReply\"$\n\x11GetSessionRequest\x12\x0f\n\x07session\x18\x01 \x01(\t\"\x15\n\x13ListSessionsRequest\"=\n\x11ListSessionsReply\x12(\n\x08sessions\x18\x01 \x03(\x0b\x32\x16.ddtree.v1.SessionInfo\"\x13\n\x11ListModelsRequest\"7\n\x0fListModelsReply\x12$\n\x06models\x18\x01 \x03(\x0b\x32\x14.ddtree.v1.ModelInfo\"o\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0bmax_context\x18\x02 \x01(\x05\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x15\n\reos_token_ids\x18\x04 \x03(\x05\x12\x14\n\x0c\x64rafter_kind\x18\x05 \x01(\t\"\r\n\x0bInfoRequest\"\xf9\x01\n\tInfoReply\x12\x0f\n\x07version\x18\x01 \x01(\t\x12#\n\x05model\x18\x02 \x01(\x0b\x32\x14.ddtree.v1.ModelInfo\x12\x11\n\tverifiers\x18\x03 \x01(\x05\x12\x14\n\x0cverifiers_up\x18\x04 \x01(\x05\x12\x15\n\rauth_required\x18\x05 \x01(\x08\x12\x1a\n\x12session_idle_ttl_s\x18\x06 \x01(\x02\x12\x1c\n\x14max_sessions_per_key\x18\x07 \x01(\x05\x12\x1c\n\x14max_new_tokens_limit\x18\x08 \x01(\x05\x12\x1e\n\x16\x64\x65\x66\x61ult_max_new_tokens\x18\t \x01(\x05\x32\x84\x05\n\x07Gateway\x12\x42\n\x08Generate\x12\x1a.ddtree.v1.GenerateRequest\x1a\x18.ddtree.v1.GenerateReply0\x01\x12:\n\x04\x43hat\x12\x16.ddtree.v1.ChatRequest\x1a\x18.ddtree.v1.GenerateReply0\x01\x12O\n\rCreateSession\x12\x1f.ddtree.v1.CreateSessionRequest\x1a\x1d.ddtree.v1.CreateSessionReply\x12\x44\n\x0b\x46orkSession\x12\x1d.ddtree.v1.ForkSessionRequest\x1a\x16.ddtree.v1.SessionInfo\x12R\n\x0eReleaseSession\x12 .ddtree.v1.ReleaseSessionRequest\x1a\x1e.ddtree.v1.ReleaseSessionReply\x12\x42\n\nGetSession\x12\x1c.ddtree.v1.GetSessionRequest\x1a\x16.ddtree.v1.SessionInfo\x12L\n\x0cListSessions\x12\x1e.ddtree.v1.ListSessionsRequest\x1a\x1c.ddtree.v1.ListSessionsReply\x12\x46\n\nListModels\x12\x1c.ddtree.v1.ListModelsRequest\x1a\x1a.ddtree.v1.ListModelsReply\x12\x34\n\x04Info\x12\x16.ddtree.v1.InfoRequest\x1a\x14.ddtree.v1.InfoReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -45,35 +45,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATECHUNK']._serialized_start=755
   _globals['_GENERATECHUNK']._serialized_end=873
   _globals['_GENERATESUMMARY']._serialized_start=876
-  _globals['_GENERATESUMMARY']._serialized_end=1134
-  _globals['_CREATESESSIONREQUEST']._serialized_start=1136
-  _globals['_CREATESESSIONREQUEST']._serialized_end=1241
-  _globals['_CREATESESSIONREPLY']._serialized_start=1244
-  _globals['_CREATESESSIONREPLY']._serialized_end=1377
-  _globals['_SESSIONINFO']._serialized_start=1380
-  _globals['_SESSIONINFO']._serialized_end=1530
-  _globals['_FORKSESSIONREQUEST']._serialized_start=1532
-  _globals['_FORKSESSIONREQUEST']._serialized_end=1569
-  _globals['_RELEASESESSIONREQUEST']._serialized_start=1571
-  _globals['_RELEASESESSIONREQUEST']._serialized_end=1611
-  _globals['_RELEASESESSIONREPLY']._serialized_start=1613
-  _globals['_RELEASESESSIONREPLY']._serialized_end=1634
-  _globals['_GETSESSIONREQUEST']._serialized_start=1636
-  _globals['_GETSESSIONREQUEST']._serialized_end=1672
-  _globals['_LISTSESSIONSREQUEST']._serialized_start=1674
-  _globals['_LISTSESSIONSREQUEST']._serialized_end=1695
-  _globals['_LISTSESSIONSREPLY']._serialized_start=1697
-  _globals['_LISTSESSIONSREPLY']._serialized_end=1758
-  _globals['_LISTMODELSREQUEST']._serialized_start=1760
-  _globals['_LISTMODELSREQUEST']._serialized_end=1779
-  _globals['_LISTMODELSREPLY']._serialized_start=1781
-  _globals['_LISTMODELSREPLY']._serialized_end=1836
-  _globals['_MODELINFO']._serialized_start=1838
-  _globals['_MODELINFO']._serialized_end=1949
-  _globals['_INFOREQUEST']._serialized_start=1951
-  _globals['_INFOREQUEST']._serialized_end=1964
-  _globals['_INFOREPLY']._serialized_start=1967
-  _globals['_INFOREPLY']._serialized_end=2216
-  _globals['_GATEWAY']._serialized_start=2219
-  _globals['_GATEWAY']._serialized_end=2863
+  _globals['_GENERATESUMMARY']._serialized_end=1157
+  _globals['_CREATESESSIONREQUEST']._serialized_start=1159
+  _globals['_CREATESESSIONREQUEST']._serialized_end=1264
+  _globals['_CREATESESSIONREPLY']._serialized_start=1267
+  _globals['_CREATESESSIONREPLY']._serialized_end=1423
+  _globals['_SESSIONINFO']._serialized_start=1426
+  _globals['_SESSIONINFO']._serialized_end=1576
+  _globals['_FORKSESSIONREQUEST']._serialized_start=1578
+  _globals['_FORKSESSIONREQUEST']._serialized_end=1615
+  _globals['_RELEASESESSIONREQUEST']._serialized_start=1617
+  _globals['_RELEASESESSIONREQUEST']._serialized_end=1657
+  _globals['_RELEASESESSIONREPLY']._serialized_start=1659
+  _globals['_RELEASESESSIONREPLY']._serialized_end=1680
+  _globals['_GETSESSIONREQUEST']._serialized_start=1682
+  _globals['_GETSESSIONREQUEST']._serialized_end=1718
+  _globals['_LISTSESSIONSREQUEST']._serialized_start=1720
+  _globals['_LISTSESSIONSREQUEST']._serialized_end=1741
+  _globals['_LISTSESSIONSREPLY']._serialized_start=1743
+  _globals['_LISTSESSIONSREPLY']._serialized_end=1804
+  _globals['_LISTMODELSREQUEST']._serialized_start=1806
+  _globals['_LISTMODELSREQUEST']._serialized_end=1825
+  _globals['_LISTMODELSREPLY']._serialized_start=1827
+  _globals['_LISTMODELSREPLY']._serialized_end=1882
+  _globals['_MODELINFO']._serialized_start=1884
+  _globals['_MODELINFO']._serialized_end=1995
+  _globals['_INFOREQUEST']._serialized_start=1997
+  _globals['_INFOREQUEST']._serialized_end=2010
+  _globals['_INFOREPLY']._serialized_start=2013
+  _globals['_INFOREPLY']._serialized_end=2262
+  _globals['_GATEWAY']._serialized_start=2265
+  _globals['_GATEWAY']._serialized_end=2909
 # @@protoc_insertion_point(module_scope)

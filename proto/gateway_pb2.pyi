@@ -80,7 +80,7 @@ class GenerateChunk(_message.Message):
     def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., acceptance_length: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class GenerateSummary(_message.Message):
-    __slots__ = ("stop_reason", "session", "prompt_tokens", "generated_tokens", "steps", "ttft_ms", "tokens_per_second", "mean_acceptance_length", "e2e_ms", "session_tokens")
+    __slots__ = ("stop_reason", "session", "prompt_tokens", "generated_tokens", "steps", "ttft_ms", "tokens_per_second", "mean_acceptance_length", "e2e_ms", "session_tokens", "cached_tokens")
     STOP_REASON_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -91,6 +91,7 @@ class GenerateSummary(_message.Message):
     MEAN_ACCEPTANCE_LENGTH_FIELD_NUMBER: _ClassVar[int]
     E2E_MS_FIELD_NUMBER: _ClassVar[int]
     SESSION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     stop_reason: _common_pb2.StopReason
     session: str
     prompt_tokens: int
@@ -101,7 +102,8 @@ class GenerateSummary(_message.Message):
     mean_acceptance_length: float
     e2e_ms: float
     session_tokens: int
-    def __init__(self, stop_reason: _Optional[_Union[_common_pb2.StopReason, str]] = ..., session: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., steps: _Optional[int] = ..., ttft_ms: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., mean_acceptance_length: _Optional[float] = ..., e2e_ms: _Optional[float] = ..., session_tokens: _Optional[int] = ...) -> None: ...
+    cached_tokens: int
+    def __init__(self, stop_reason: _Optional[_Union[_common_pb2.StopReason, str]] = ..., session: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., steps: _Optional[int] = ..., ttft_ms: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., mean_acceptance_length: _Optional[float] = ..., e2e_ms: _Optional[float] = ..., session_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class CreateSessionRequest(_message.Message):
     __slots__ = ("text", "token_ids", "prompt_logprobs")
@@ -114,14 +116,16 @@ class CreateSessionRequest(_message.Message):
     def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., prompt_logprobs: _Optional[int] = ...) -> None: ...
 
 class CreateSessionReply(_message.Message):
-    __slots__ = ("session", "prefill_ms", "prompt_logprobs")
+    __slots__ = ("session", "prefill_ms", "prompt_logprobs", "cached_tokens")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     session: SessionInfo
     prefill_ms: float
     prompt_logprobs: PromptLogprobs
-    def __init__(self, session: _Optional[_Union[SessionInfo, _Mapping]] = ..., prefill_ms: _Optional[float] = ..., prompt_logprobs: _Optional[_Union[PromptLogprobs, _Mapping]] = ...) -> None: ...
+    cached_tokens: int
+    def __init__(self, session: _Optional[_Union[SessionInfo, _Mapping]] = ..., prefill_ms: _Optional[float] = ..., prompt_logprobs: _Optional[_Union[PromptLogprobs, _Mapping]] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class SessionInfo(_message.Message):
     __slots__ = ("session", "num_tokens", "pages_used", "pages_shared", "generating", "idle_s", "expires_in_s")

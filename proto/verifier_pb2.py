@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from proto import common_pb2 as proto_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14proto/verifier.proto\x12\tddtree.v1\x1a\x12proto/common.proto\"j\n\x1cVerifierCreateSessionRequest\x12\x18\n\x10prompt_token_ids\x18\x01 \x03(\x05\x12\x1c\n\x0fprompt_logprobs\x18\x02 \x01(\x05H\x00\x88\x01\x01\x42\x12\n\x10_prompt_logprobs\"\x92\x01\n\x13VerifierSessionInfo\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\nnum_tokens\x18\x02 \x01(\x05\x12\x15\n\rprefix_length\x18\x03 \x01(\x05\x12\x12\n\npages_used\x18\x04 \x01(\x05\x12\x14\n\x0cpages_shared\x18\x05 \x01(\x05\x12\x12\n\ngenerating\x18\x06 \x01(\x08\"\x93\x01\n\x1aVerifierCreateSessionReply\x12/\n\x07session\x18\x01 \x01(\x0b\x32\x1e.ddtree.v1.VerifierSessionInfo\x12\x12\n\nprefill_ms\x18\x02 \x01(\x02\x12\x30\n\x0fprompt_logprobs\x18\x03 \x03(\x0b\x32\x17.ddtree.v1.TokenLogprob\"\xcf\x01\n\x17VerifierGenerateRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x18\n\x10\x61ppend_token_ids\x18\x02 \x03(\x05\x12)\n\x06params\x18\x03 \x01(\x0b\x32\x19.ddtree.v1.SamplingParams\x12\x14\n\x0ckeep_session\x18\x04 \x01(\x08\x12\x13\n\x0btree_budget\x18\x05 \x01(\x05\x12\x1c\n\x0fprompt_logprobs\x18\x06 \x01(\x05H\x00\x88\x01\x01\x42\x12\n\x10_prompt_logprobs\"\xee\x02\n\x14VerifierGenerateStep\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x19\n\x11\x61\x63\x63\x65ptance_length\x18\x03 \x01(\x05\x12\x15\n\rdrafted_nodes\x18\x04 \x01(\x05\x12\x10\n\x08\x66inished\x18\x05 \x01(\x08\x12*\n\x0bstop_reason\x18\x06 \x01(\x0e\x32\x15.ddtree.v1.StopReason\x12\x12\n\nnum_tokens\x18\x07 \x01(\x05\x12\'\n\x07timings\x18\x08 \x01(\x0b\x32\x16.ddtree.v1.StepTimings\x12+\n\x07prefill\x18\t \x01(\x0b\x32\x1a.ddtree.v1.PrefillProgress\x12)\n\x08logprobs\x18\n \x03(\x0b\x32\x17.ddtree.v1.TokenLogprob\x12\x30\n\x0fprompt_logprobs\x18\x0b \x03(\x0b\x32\x17.ddtree.v1.TokenLogprob\"\xb4\x01\n\x15VerifierStreamRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12\x36\n\x08generate\x18\x02 \x01(\x0b\x32\".ddtree.v1.VerifierGenerateRequestH\x00\x12\x10\n\x06\x63\x61ncel\x18\x03 \x01(\x08H\x00\x12\x12\n\x08\x63onsumed\x18\x05 \x01(\rH\x00\x12\x11\n\ttimeout_s\x18\x04 \x01(\x02\x12\x0e\n\x06window\x18\x06 \x01(\rB\x06\n\x04kind\"E\n\x13VerifierStreamReply\x12.\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x1e.ddtree.v1.VerifierStreamEvent\"\x93\x01\n\x13VerifierStreamEvent\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12/\n\x04step\x18\x02 \x01(\x0b\x32\x1f.ddtree.v1.VerifierGenerateStepH\x00\x12/\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x1e.ddtree.v1.VerifierStreamErrorH\x00\x42\x06\n\x04kind\"4\n\x13VerifierStreamError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"0\n\x1aVerifierForkSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"3\n\x1dVerifierReleaseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"2\n\x1bVerifierReleaseSessionReply\x12\x13\n\x0bpages_freed\x18\x01 \x01(\x05\"/\n\x19VerifierGetSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"1\n\x1aVerifierRenewLeasesRequest\x12\x13\n\x0bsession_ids\x18\x01 \x03(\t\"7\n\x18VerifierRenewLeasesReply\x12\x1b\n\x13unknown_session_ids\x18\x01 \x03(\t\"\x15\n\x13VerifierInfoRequest\"\xf1\x02\n\x11VerifierInfoReply\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x11\n\tpage_size\x18\x02 \x01(\x05\x12\x19\n\x11kv_capacity_pages\x18\x03 \x01(\x05\x12\x12\n\nfree_pages\x18\x04 \x01(\x05\x12\x13\n\x0bmax_context\x18\x05 \x01(\x05\x12\x12\n\nvocab_size\x18\x06 \x01(\x05\x12\x15\n\reos_token_ids\x18\x07 \x03(\x05\x12\x17\n\x0f\x61\x63tive_sessions\x18\x08 \x01(\x05\x12\x16\n\x0emax_tree_nodes\x18\t \x01(\x05\x12\x17\n\x0fsession_lease_s\x18\n \x01(\x02\x12\r\n\x05\x64type\x18\x0b \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x0c \x01(\t\x12\x13\n\x0b\x63uda_graphs\x18\r \x01(\x05\x12\x1a\n\x12\x64rafters_connected\x18\x0e \x01(\x05\x12\x12\n\nroom_pages\x18\x0f \x01(\x05\x12\x18\n\x10waiting_requests\x18\x10 \x01(\x05\x32\xc5\x05\n\x08Verifier\x12_\n\rCreateSession\x12\'.ddtree.v1.VerifierCreateSessionRequest\x1a%.ddtree.v1.VerifierCreateSessionReply\x12Q\n\x08Generate\x12\".ddtree.v1.VerifierGenerateRequest\x1a\x1f.ddtree.v1.VerifierGenerateStep0\x01\x12V\n\x0eGenerateStream\x12 .ddtree.v1.VerifierStreamRequest\x1a\x1e.ddtree.v1.VerifierStreamReply(\x01\x30\x01\x12T\n\x0b\x46orkSession\x12%.ddtree.v1.VerifierForkSessionRequest\x1a\x1e.ddtree.v1.VerifierSessionInfo\x12\x62\n\x0eReleaseSession\x12(.ddtree.v1.VerifierReleaseSessionRequest\x1a&.ddtree.v1.VerifierReleaseSessionReply\x12R\n\nGetSession\x12$.ddtree.v1.VerifierGetSessionRequest\x1a\x1e.ddtree.v1.VerifierSessionInfo\x12Y\n\x0bRenewLeases\x12%.ddtree.v1.VerifierRenewLeasesRequest\x1a#.ddtree.v1.VerifierRenewLeasesReply\x12\x44\n\x04Info\x12\x1e.ddtree.v1.VerifierInfoRequest\x1a\x1c.ddtree.v1.VerifierInfoReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14proto/verifier.proto\x12\tddtree.v1\x1a\x12proto/common.proto\"j\n\x1cVerifierCreateSessionRequest\x12\x18\n\x10prompt_token_ids\x18\x01 \x03(\x05\x12\x1c\n\x0fprompt_logprobs\x18\x02 \x01(\x05H\x00\x88\x01\x01\x42\x12\n\x10_prompt_logprobs\"\x92\x01\n\x13VerifierSessionInfo\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\nnum_tokens\x18\x02 \x01(\x05\x12\x15\n\rprefix_length\x18\x03 \x01(\x05\x12\x12\n\npages_used\x18\x04 \x01(\x05\x12\x14\n\x0cpages_shared\x18\x05 \x01(\x05\x12\x12\n\ngenerating\x18\x06 \x01(\x08\"\xaa\x01\n\x1aVerifierCreateSessionReply\x12/\n\x07session\x18\x01 \x01(\x0b\x32\x1e.ddtree.v1.VerifierSessionInfo\x12\x12\n\nprefill_ms\x18\x02 \x01(\x02\x12\x30\n\x0fprompt_logprobs\x18\x03 \x03(\x0b\x32\x17.ddtree.v1.TokenLogprob\x12\x15\n\rcached_tokens\x18\x04 \x01(\x05\"\xcf\x01\n\x17VerifierGenerateRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x18\n\x10\x61ppend_token_ids\x18\x02 \x03(\x05\x12)\n\x06params\x18\x03 \x01(\x0b\x32\x19.ddtree.v1.SamplingParams\x12\x14\n\x0ckeep_session\x18\x04 \x01(\x08\x12\x13\n\x0btree_budget\x18\x05 \x01(\x05\x12\x1c\n\x0fprompt_logprobs\x18\x06 \x01(\x05H\x00\x88\x01\x01\x42\x12\n\x10_prompt_logprobs\"\xee\x02\n\x14VerifierGenerateStep\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x19\n\x11\x61\x63\x63\x65ptance_length\x18\x03 \x01(\x05\x12\x15\n\rdrafted_nodes\x18\x04 \x01(\x05\x12\x10\n\x08\x66inished\x18\x05 \x01(\x08\x12*\n\x0bstop_reason\x18\x06 \x01(\x0e\x32\x15.ddtree.v1.StopReason\x12\x12\n\nnum_tokens\x18\x07 \x01(\x05\x12\'\n\x07timings\x18\x08 \x01(\x0b\x32\x16.ddtree.v1.StepTimings\x12+\n\x07prefill\x18\t \x01(\x0b\x32\x1a.ddtree.v1.PrefillProgress\x12)\n\x08logprobs\x18\n \x03(\x0b\x32\x17.ddtree.v1.TokenLogprob\x12\x30\n\x0fprompt_logprobs\x18\x0b \x03(\x0b\x32\x17.ddtree.v1.TokenLogprob\"\xb4\x01\n\x15VerifierStreamRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12\x36\n\x08generate\x18\x02 \x01(\x0b\x32\".ddtree.v1.VerifierGenerateRequestH\x00\x12\x10\n\x06\x63\x61ncel\x18\x03 \x01(\x08H\x00\x12\x12\n\x08\x63onsumed\x18\x05 \x01(\rH\x00\x12\x11\n\ttimeout_s\x18\x04 \x01(\x02\x12\x0e\n\x06window\x18\x06 \x01(\rB\x06\n\x04kind\"E\n\x13VerifierStreamReply\x12.\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x1e.ddtree.v1.VerifierStreamEvent\"\x93\x01\n\x13VerifierStreamEvent\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12/\n\x04step\x18\x02 \x01(\x0b\x32\x1f.ddtree.v1.VerifierGenerateStepH\x00\x12/\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x1e.ddtree.v1.VerifierStreamErrorH\x00\x42\x06\n\x04kind\"4\n\x13VerifierStreamError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"0\n\x1aVerifierForkSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"3\n\x1dVerifierReleaseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"2\n\x1bVerifierReleaseSessionReply\x12\x13\n\x0bpages_freed\x18\x01 \x01(\x05\"/\n\x19VerifierGetSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"1\n\x1aVerifierRenewLeasesRequest\x12\x13\n\x0bsession_ids\x18\x01 \x03(\t\"7\n\x18VerifierRenewLeasesReply\x12\x1b\n\x13unknown_session_ids\x18\x01 \x03(\t\"\x15\n\x13VerifierInfoRequest\"\xf1\x02\n\x11VerifierInfoReply\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x11\n\tpage_size\x18\x02 \x01(\x05\x12\x19\n\x11kv_capacity_pages\x18\x03 \x01(\x05\x12\x12\n\nfree_pages\x18\x04 \x01(\x05\x12\x13\n\x0bmax_context\x18\x05 \x01(\x05\x12\x12\n\nvocab_size\x18\x06 \x01(\x05\x12\x15\n\reos_token_ids\x18\x07 \x03(\x05\x12\x17\n\x0f\x61\x63tive_sessions\x18\x08 \x01(\x05\x12\x16\n\x0emax_tree_nodes\x18\t \x01(\x05\x12\x17\n\x0fsession_lease_s\x18\n \x01(\x02\x12\r\n\x05\x64type\x18\x0b \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x0c \x01(\t\x12\x13\n\x0b\x63uda_graphs\x18\r \x01(\x05\x12\x1a\n\x12\x64rafters_connected\x18\x0e \x01(\x05\x12\x12\n\nroom_pages\x18\x0f \x01(\x05\x12\x18\n\x10waiting_requests\x18\x10 \x01(\x05\x32\xc5\x05\n\x08Verifier\x12_\n\rCreateSession\x12\'.ddtree.v1.VerifierCreateSessionRequest\x1a%.ddtree.v1.VerifierCreateSessionReply\x12Q\n\x08Generate\x12\".ddtree.v1.VerifierGenerateRequest\x1a\x1f.ddtree.v1.VerifierGenerateStep0\x01\x12V\n\x0eGenerateStream\x12 .ddtree.v1.VerifierStreamRequest\x1a\x1e.ddtree.v1.VerifierStreamReply(\x01\x30\x01\x12T\n\x0b\x46orkSession\x12%.ddtree.v1.VerifierForkSessionRequest\x1a\x1e.ddtree.v1.VerifierSessionInfo\x12\x62\n\x0eReleaseSession\x12(.ddtree.v1.VerifierReleaseSessionRequest\x1a&.ddtree.v1.VerifierReleaseSessionReply\x12R\n\nGetSession\x12$.ddtree.v1.VerifierGetSessionRequest\x1a\x1e.ddtree.v1.VerifierSessionInfo\x12Y\n\x0bRenewLeases\x12%.ddtree.v1.VerifierRenewLeasesRequest\x1a#.ddtree.v1.VerifierRenewLeasesReply\x12\x44\n\x04Info\x12\x1e.ddtree.v1.VerifierInfoRequest\x1a\x1c.ddtree.v1.VerifierInfoReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,35 +37,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_VERIFIERSESSIONINFO']._serialized_start=164
   _globals['_VERIFIERSESSIONINFO']._serialized_end=310
   _globals['_VERIFIERCREATESESSIONREPLY']._serialized_start=313
-  _globals['_VERIFIERCREATESESSIONREPLY']._serialized_end=460
-  _globals['_VERIFIERGENERATEREQUEST']._serialized_start=463
-  _globals['_VERIFIERGENERATEREQUEST']._serialized_end=670
-  _globals['_VERIFIERGENERATESTEP']._serialized_start=673
-  _globals['_VERIFIERGENERATESTEP']._serialized_end=1039
-  _globals['_VERIFIERSTREAMREQUEST']._serialized_start=1042
-  _globals['_VERIFIERSTREAMREQUEST']._serialized_end=1222
-  _globals['_VERIFIERSTREAMREPLY']._serialized_start=1224
-  _globals['_VERIFIERSTREAMREPLY']._serialized_end=1293
-  _globals['_VERIFIERSTREAMEVENT']._serialized_start=1296
-  _globals['_VERIFIERSTREAMEVENT']._serialized_end=1443
-  _globals['_VERIFIERSTREAMERROR']._serialized_start=1445
-  _globals['_VERIFIERSTREAMERROR']._serialized_end=1497
-  _globals['_VERIFIERFORKSESSIONREQUEST']._serialized_start=1499
-  _globals['_VERIFIERFORKSESSIONREQUEST']._serialized_end=1547
-  _globals['_VERIFIERRELEASESESSIONREQUEST']._serialized_start=1549
-  _globals['_VERIFIERRELEASESESSIONREQUEST']._serialized_end=1600
-  _globals['_VERIFIERRELEASESESSIONREPLY']._serialized_start=1602
-  _globals['_VERIFIERRELEASESESSIONREPLY']._serialized_end=1652
-  _globals['_VERIFIERGETSESSIONREQUEST']._serialized_start=1654
-  _globals['_VERIFIERGETSESSIONREQUEST']._serialized_end=1701
-  _globals['_VERIFIERRENEWLEASESREQUEST']._serialized_start=1703
-  _globals['_VERIFIERRENEWLEASESREQUEST']._serialized_end=1752
-  _globals['_VERIFIERRENEWLEASESREPLY']._serialized_start=1754
-  _globals['_VERIFIERRENEWLEASESREPLY']._serialized_end=1809
-  _globals['_VERIFIERINFOREQUEST']._serialized_start=1811
-  _globals['_VERIFIERINFOREQUEST']._serialized_end=1832
-  _globals['_VERIFIERINFOREPLY']._serialized_start=1835
-  _globals['_VERIFIERINFOREPLY']._serialized_end=2204
-  _globals['_VERIFIER']._serialized_start=2207
-  _globals['_VERIFIER']._serialized_end=2916
+  _globals['_VERIFIERCREATESESSIONREPLY']._serialized_end=483
+  _globals['_VERIFIERGENERATEREQUEST']._serialized_start=486
+  _globals['_VERIFIERGENERATEREQUEST']._serialized_end=693
+  _globals['_VERIFIERGENERATESTEP']._serialized_start=696
+  _globals['_VERIFIERGENERATESTEP']._serialized_end=1062
+  _globals['_VERIFIERSTREAMREQUEST']._serialized_start=1065
+  _globals['_VERIFIERSTREAMREQUEST']._serialized_end=1245
+  _globals['_VERIFIERSTREAMREPLY']._serialized_start=1247
+  _globals['_VERIFIERSTREAMREPLY']._serialized_end=1316
+  _globals['_VERIFIERSTREAMEVENT']._serialized_start=1319
+  _globals['_VERIFIERSTREAMEVENT']._serialized_end=1466
+  _globals['_VERIFIERSTREAMERROR']._serialized_start=1468
+  _globals['_VERIFIERSTREAMERROR']._serialized_end=1520
+  _globals['_VERIFIERFORKSESSIONREQUEST']._serialized_start=1522
+  _globals['_VERIFIERFORKSESSIONREQUEST']._serialized_end=1570
+  _globals['_VERIFIERRELEASESESSIONREQUEST']._serialized_start=1572
+  _globals['_VERIFIERRELEASESESSIONREQUEST']._serialized_end=1623
+  _globals['_VERIFIERRELEASESESSIONREPLY']._serialized_start=1625
+  _globals['_VERIFIERRELEASESESSIONREPLY']._serialized_end=1675
+  _globals['_VERIFIERGETSESSIONREQUEST']._serialized_start=1677
+  _globals['_VERIFIERGETSESSIONREQUEST']._serialized_end=1724
+  _globals['_VERIFIERRENEWLEASESREQUEST']._serialized_start=1726
+  _globals['_VERIFIERRENEWLEASESREQUEST']._serialized_end=1775
+  _globals['_VERIFIERRENEWLEASESREPLY']._serialized_start=1777
+  _globals['_VERIFIERRENEWLEASESREPLY']._serialized_end=1832
+  _globals['_VERIFIERINFOREQUEST']._serialized_start=1834
+  _globals['_VERIFIERINFOREQUEST']._serialized_end=1855
+  _globals['_VERIFIERINFOREPLY']._serialized_start=1858
+  _globals['_VERIFIERINFOREPLY']._serialized_end=2227
+  _globals['_VERIFIER']._serialized_start=2230
+  _globals['_VERIFIER']._serialized_end=2939
 # @@protoc_insertion_point(module_scope)

@@ -32,14 +32,16 @@ class VerifierSessionInfo(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., prefix_length: _Optional[int] = ..., pages_used: _Optional[int] = ..., pages_shared: _Optional[int] = ..., generating: _Optional[bool] = ...) -> None: ...
 
 class VerifierCreateSessionReply(_message.Message):
-    __slots__ = ("session", "prefill_ms", "prompt_logprobs")
+    __slots__ = ("session", "prefill_ms", "prompt_logprobs", "cached_tokens")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     session: VerifierSessionInfo
     prefill_ms: float
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
-    def __init__(self, session: _Optional[_Union[VerifierSessionInfo, _Mapping]] = ..., prefill_ms: _Optional[float] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
+    cached_tokens: int
+    def __init__(self, session: _Optional[_Union[VerifierSessionInfo, _Mapping]] = ..., prefill_ms: _Optional[float] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class VerifierGenerateRequest(_message.Message):
     __slots__ = ("session_id", "append_token_ids", "params", "keep_session", "tree_budget", "prompt_logprobs")

@@ -128,7 +128,7 @@ def test_prompt_over_capacity_is_refused_without_leaks(new_engine) -> None:
     other, _ = engine.create_session(prompt_of(40))  # 3 pages
     free = engine.pool.num_free
     with pytest.raises(CapacityError, match="KV cache full"):
-        engine.create_session(prompt_of(100))  # 7 pages > 5 free
+        engine.create_session(prompt_of(100, seed=2))  # 7 pages > 5 free (no prefix in common)
     assert engine.pool.num_free == free and len(engine.sessions) == 1
     with pytest.raises(CapacityError):
         engine.extend_session(other.session_id, prompt_of(90))

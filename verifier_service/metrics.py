@@ -86,6 +86,13 @@ class VerifierMetrics:
         self.prefills_awaiting_turn = Gauge("ddtree_verifier_prefills_awaiting_turn", "Prompts in, waiting for their "
                                              "turn on the engine (one prefill chunk runs at a time, shortest "
                                              "remaining first)", registry=r)
+        self.prefill_tokens = Counter("ddtree_verifier_prefill_tokens", "Prompt positions of finished prefills "
+                                      "(computed, or found in the prefix cache)", registry=r)
+        self.prefix_cache_hit_tokens = Counter("ddtree_verifier_prefix_cache_hit_tokens", "Prompt positions whose K/V "
+                                               "the prefix cache held (not computed again)", registry=r)
+        self.kv_pages_cached = Gauge("ddtree_verifier_kv_pages_cached", "KV pages nobody holds that the prefix cache "
+                                     "keeps indexed (counted free: reused, least recently released first, when "
+                                     "needed)", registry=r)
         self.admission_wait_seconds = Histogram("ddtree_verifier_admission_wait_seconds", "How long a prompt or a "
                                                 "generation that found the KV cache full waited for its pages (those "
                                                 "that gave up included)", registry=r)
@@ -95,11 +102,16 @@ class VerifierMetrics:
         """The gauges read the engine when scraped, so they show sessions and pages as they are."""
         pool = engine.pool
         self.kv_pages_free.set_function(lambda: pool.num_free)
+        self.kv_pages_cached.set_function(lambda: len(pool.evictable))
         self.kv_pages_used.set_function(lambda: pool.num_pages - pool.num_free)
         self.sessions.set_function(lambda: len(engine.sessions))
         self.generating.set_function(lambda: len(generating))
         self.waiting_requests.set_function(waiting_requests)
         self.prefills_awaiting_turn.set_function(prefills_awaiting_turn)
+
+    def observe_prefill(self, tokens: int, cached: int) -> None:
+        self.prefill_tokens.inc(tokens)
+        self.prefix_cache_hit_tokens.inc(cached)
 
     def serve(self, port: int, addr: str = "127.0.0.1") -> None:
         """/metrics over HTTP; loopback unless told otherwise (containers pass 0.0.0.0 to be scraped)."""

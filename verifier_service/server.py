@@ -56,6 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-context", type=int, default=None)
     parser.add_argument("--prefill-chunk", type=int, default=None,
                         help="tokens per prefill chunk (default: 4096 on CUDA, else 256)")
+    parser.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                        help="keep released sessions' full KV pages indexed by their tokens, so that a prompt "
+                             "beginning with the same tokens (a system prompt, a resent conversation) skips "
+                             "prefilling them; the pages count as free and are reused least recently released first")
     parser.add_argument("--lone-prefill-chunk", type=int, default=None,
                         help="tokens per prefill chunk while no other session waits for the engine (a multiple of "
                              "the prefill chunk; larger chunks prefill faster, and a session that arrives meanwhile "
@@ -98,7 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
 def engine_config(args: argparse.Namespace, model: ModelConfig) -> EngineConfig:
     return EngineConfig(page_size=args.page_size, kv_budget_bytes=int(args.kv_budget_mb * (1 << 20)),
                         max_tree_nodes=args.max_tree_nodes, prefill_chunk=args.prefill_chunk,
-                        lone_prefill_chunk=args.lone_prefill_chunk, prompt_logprob_rows=args.prompt_logprob_rows,
+                        lone_prefill_chunk=args.lone_prefill_chunk, prefix_caching=args.prefix_caching,
+                        prompt_logprob_rows=args.prompt_logprob_rows,
                         max_batch_tokens=args.max_batch_tokens, max_batch_sessions=args.max_batch_sessions,
                         max_context=args.max_context, decode_burst_steps=args.decode_burst_steps,
                         dtype=args.dtype or model.torch_dtype, device=args.device,

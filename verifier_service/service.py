@@ -48,10 +48,12 @@ DEFAULT_LEASE_S = 30.0
 
 @dataclass(frozen=True)
 class PrefillEvent:
-    """Between two chunks of a generation's prefill: the tokens prefilled so far, of `total`."""
+    """Between two chunks of a generation's prefill, and once it is in if the prefix cache held part of it: the
+    tokens prefilled so far, of `total`, and of those the ones the cache held."""
 
     done: int
     total: int
+    cached: int = 0
 
 
 @dataclass(frozen=True)
@@ -161,8 +163,11 @@ class VerifierService:
                 await asyncio.wait((chunks, news), return_when=asyncio.FIRST_COMPLETED)
                 if not news.done():
                     chunks.result()
+                    self.metrics.observe_prefill(prefill.total, prefill.cached_tokens)
+                    if prefill.cached_tokens:
+                        yield PrefillEvent(prefill.done, prefill.total, prefill.cached_tokens)
                     return
-                yield PrefillEvent(news.result(), prefill.total)
+                yield PrefillEvent(news.result(), prefill.total, prefill.cached_tokens)
         except BaseException:
             chunks.cancel()
             self._in_background(chunks)

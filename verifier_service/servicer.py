@@ -101,7 +101,8 @@ def _prefill_pb(event: PrefillEvent | PromptLogprobsEvent) -> verifier_pb2.Verif
     if isinstance(event, PromptLogprobsEvent):
         return verifier_pb2.VerifierGenerateStep(prompt_logprobs=logprobs_pb(event.logprobs))
     return verifier_pb2.VerifierGenerateStep(
-        prefill=common_pb2.PrefillProgress(prefilled_tokens=event.done, total_tokens=event.total))
+        prefill=common_pb2.PrefillProgress(prefilled_tokens=event.done, total_tokens=event.total,
+                                           cached_tokens=event.cached))
 
 
 class _SlotSink:
@@ -136,7 +137,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                                                                prompt_logprobs_of(request))
         return verifier_pb2.VerifierCreateSessionReply(session=self._session_pb(session),
                                                        prefill_ms=(time.perf_counter() - started) * 1e3,
-                                                       prompt_logprobs=logprobs_pb(logprobs))
+                                                       prompt_logprobs=logprobs_pb(logprobs),
+                                                       cached_tokens=session.cached_tokens)
 
     @maps_errors
     async def Generate(self, request, context):

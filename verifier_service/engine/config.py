@@ -47,6 +47,9 @@ class EngineConfig:
     # NOTE: prompt rows whose logits are computed at once for prompt logprobs: [rows, V] fp32 logits and their
     # log_softmax live together, about 0.6 GB at 512 rows of a 152k vocab
     prompt_logprob_rows: int = 512
+    # NOTE: released sessions' full KV pages stay indexed by their tokens until their room is needed, and a new
+    # session's prompt starts from the longest run of them it begins with (engine/prefix_cache.py)
+    prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if self.page_size not in PAGE_SIZES:

@@ -25,6 +25,7 @@ from verifier_service.engine.kv_cache import KVCache, TreeScratch
 from verifier_service.engine.logprobs import RowLogprobs, TokenLogprob, asking_spans, ranked_logprobs, read_back
 from verifier_service.engine.page_pool import PagePool
 from verifier_service.engine.prefill import Prefill
+from verifier_service.engine.prefix_cache import PrefixCache
 from verifier_service.engine.sampling import MAX_LOGPROBS, SamplingParams, choose_tokens
 from verifier_service.engine.session import Generation, Session
 from verifier_service.engine.stopping import StopChecker, StopReason
@@ -77,7 +78,8 @@ class Engine:
         num_pages = config.kv_budget_bytes // KVCache.page_bytes(self.model_config, config.page_size, dtype)
         if num_pages < 1:
             raise ValueError("kv_budget_bytes is smaller than one KV page")
-        self.pool = PagePool(num_pages)
+        self.prefix_cache = PrefixCache(config.page_size) if config.prefix_caching else None
+        self.pool = PagePool(num_pages, self.prefix_cache)
         # NOTE: the page count comes from the whole model's page size, so every tensor-parallel rank agrees on
         # it; the tensors hold only the KV heads of this model instance (`shard_config`).
         self.kv = self._kv_cache(num_pages, dtype, device)
@@ -208,6 +210,12 @@ class Engine:
     def _register(self, session: Session) -> None:
         self._refuse_taken(session.session_id)  # NOTE: the id may have been taken while the prompt went in
         self.sessions[session.session_id] = session
+        self._index(session)
+
+    def _index(self, session: Session) -> None:
+        """Offer the session's full pages to the prefix cache (those of its KV: `tokens[:-1]`)."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.insert(session.tokens[:session.kv_len], session.block_table.pages)
 
     def fork_session(self, session_id: str, new_id: str | None = None) -> Session:
         """A new session sharing every page of the source copy-on-write."""
@@ -222,6 +230,7 @@ class Engine:
         self.promised.pop(session_id, None)
         session = self.sessions.pop(session_id, None)
         if session is not None:
+            self._index(session)  # NOTE: before the release, so its pages stay indexed once nobody holds them
             session.block_table.release()
 
     def start_generation(self, session_id: str, params: SamplingParams) -> None:
@@ -297,7 +306,7 @@ class Engine:
             raise InvalidArgument(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {prompt_logprobs}")
         grows_to = min(len(session.tokens) + len(new_tokens) - 1 + then_generate, self.max_context)
         prefill = Prefill(session, new_tokens, feature_tail, self.prefill_chunk, self.kv, self._prefill_chunk, register,
-                          self.room, grows_to, self.promised, prompt_logprobs)
+                          self.room, grows_to, self.promised, prompt_logprobs, self._cached_pages)
         if len(prefill.tokens) > self.max_context:
             raise InvalidArgument(f"prompt of {len(prefill.tokens)} tokens exceeds max_context {self.max_context}")
         if prefill.pages_to_keep > self.pool.num_pages - len(session.block_table.pages):
@@ -306,6 +315,17 @@ class Engine:
                                 + f" need more pages than the cache holds ({self.pool.num_pages} pages of "
                                 f"{self.config.page_size} tokens)")
         return prefill
+
+    def _cached_pages(self, table: BlockTable, tokens: list[int], start: int, feature_tail: int) -> list[int]:
+        """Cached pages that continue `table` over the full pages of `tokens` (a session's tokens with those a
+        prefill adds; the table holds positions [0, start)), short of the positions the prefill must compute
+        itself: the last token's (the pending root) and the drafter's seed features (`feature_tail`). None when
+        the table's last page is partial, or its pages are not the cached run of its tokens."""
+        held = len(table.pages)
+        if self.prefix_cache is None or start != held * table.page_size:
+            return []
+        matched = self.prefix_cache.match(tokens, max(0, len(tokens) - 1 - feature_tail) // table.page_size)
+        return matched[held:] if matched[:held] == table.pages else []
 
     def _prefill_chunk(self, block_table: BlockTable, tokens: list[int], start: int, end: int,
                        logprobs: int | None = None) -> tuple[torch.Tensor | None, list[TokenLogprob] | None]:

@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 import torch
 
+from verifier_service.engine.block_table import BlockTable
 from verifier_service.engine.kv_cache import KVCache
 from verifier_service.engine.logprobs import TokenLogprob
 from verifier_service.engine.session import Session
@@ -18,6 +19,12 @@ from verifier_service.errors import NoFreePages, PrefillStopped
 # (block table, tokens, chunk start, chunk end, prompt logprobs' alternatives or None) -> the chunk's target features
 # (None without feature layers), and the logprobs of the tokens its rows predict (None unless asked for)
 ChunkForward = Callable[..., tuple[torch.Tensor | None, list[TokenLogprob] | None]]
+# (block table, tokens, start, feature tail) -> the prefix cache's pages for the positions from `start` on
+CachedPages = Callable[[BlockTable, list[int], int, int], list[int]]
+
+
+def _no_cache(table: BlockTable, tokens: list[int], start: int, feature_tail: int) -> list[int]:
+    return []
 
 
 def chunk_end(start: int, end: int, chunk: int) -> int:
@@ -30,14 +37,17 @@ def chunk_end(start: int, end: int, chunk: int) -> int:
 class Prefill:
     def __init__(self, session: Session, new_tokens: list[int], feature_tail: int, chunk: int, kv: KVCache,
                  forward_chunk: ChunkForward, register: Callable[[Session], None] | None, room: Callable[[], int],
-                 grows_to: int, promised: dict[str, int], prompt_logprobs: int | None = None):
+                 grows_to: int, promised: dict[str, int], prompt_logprobs: int | None = None,
+                 cached_pages: CachedPages = _no_cache):
         """Holds nothing until `reserve()` or the first `advance()` takes the pages of all new positions (a
         prefill object dropped before that leaks nothing). `register` adds a new session to the engine once its
         prompt is in (None: the session exists already); `room()`: the free pages it may take (Engine.room);
         `grows_to`: the positions the session may reach, its generation after the prompt included: the pages up
         to there must be free too, and `promised` (Engine.promised) keeps those beyond the prompt's for the generation
         from then on, until the generation ends or this prefill aborts. `prompt_logprobs`: the alternatives of each
-        new token's logprob (`logprobs`), None for none."""
+        new token's logprob (`logprobs`), None for none. `cached_pages`: the prefix cache's pages
+        that hold the first new positions already (Engine._cached_pages); `reserve()` takes them, and the prefill
+        computes the positions after them (all of them when asked for their logprobs)."""
         self.session, self.feature_tail, self.kv = session, feature_tail, kv
         self.tokens = session.tokens + new_tokens
         self.start, self.end = (session.kv_len if session.tokens else 0), len(self.tokens) - 1
@@ -49,11 +59,26 @@ class Prefill:
         self.prompt_logprobs = prompt_logprobs
         # NOTE: the logprobs of tokens[start + 1:end + 1], chunk by chunk: a chunk's rows predict the tokens after them
         self.logprobs: list[TokenLogprob] | None = None if prompt_logprobs is None else []
+        self.cached_pages = cached_pages
+        self.hits = self._hits()
+
+    def _hits(self) -> list[int]:
+        if self.prompt_logprobs is not None:  # NOTE: every new position's row is needed
+            return []
+        return self.cached_pages(self.session.block_table, self.tokens, self.start, self.feature_tail)
+
+    @property
+    def cached_tokens(self) -> int:
+        """New positions whose K/V came from the prefix cache (final once reserved)."""
+        return len(self.hits) * self.session.block_table.page_size
 
     @property
     def pages_needed(self) -> int:
-        """The pages the new positions take beyond what the session holds (fresh copies of shared ones included)."""
-        return self.session.block_table.pages_needed(self.start, self.end)
+        """The free pages the new positions take beyond what the session holds (fresh copies of shared ones
+        included): cached pages only where nobody holds them (until taken they count as free)."""
+        table = self.session.block_table
+        revived = sum(table.pool.refcount[page] == 0 for page in self.hits)
+        return table.pages_needed(self.start, self.end) - len(self.hits) + revived
 
     @property
     def pages_to_keep(self) -> int:
@@ -66,10 +91,15 @@ class Prefill:
         """Take the pages of every new position if they, and those of the generation after, are free beside what
         the generations under way may take; False (nothing taken) if they are not."""
         if not self.reserved:
+            self.hits = self._hits()  # NOTE: the cache may have changed since: pages evicted, others indexed
             if self.pages_to_keep > self.room():
                 return False
+            table = self.session.block_table
+            table.pool.take(self.hits)
+            table.pages.extend(self.hits)
+            self.next_start = self.start + self.cached_tokens
             try:
-                self.session.block_table.prepare_write(self.start, self.end, self.kv)
+                table.prepare_write(self.next_start, self.end, self.kv)
             except BaseException:
                 self.abort()
                 raise
@@ -121,6 +151,7 @@ class Prefill:
 
     def _finish(self) -> None:
         self.session.tokens = self.tokens
+        self.session.cached_tokens = self.cached_tokens
         if self.register is not None:
             self.register(self.session)
         self.finished = True

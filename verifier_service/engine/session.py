@@ -27,6 +27,7 @@ class Session:
     tokens: list[int]
     block_table: BlockTable
     generation: Generation | None = None
+    cached_tokens: int = 0  # positions of its latest prefill whose K/V came from the prefix cache
 
     @property
     def kv_len(self) -> int:
