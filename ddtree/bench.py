@@ -45,6 +45,7 @@ class RequestRecord:
     itl_s: list[float] = field(default_factory=list)  # one per token after the first chunk
     e2e_s: float | None = None
     input_tokens: int | None = None  # as the server counted them, where it says
+    cached_tokens: int | None = None  # of those, the ones its prefix cache held, where it says
     output_tokens: int = 0
     acceptance_lengths: list[int] | None = None  # one per verify step (gRPC only)
     error: str | None = None
@@ -71,14 +72,20 @@ class RequestRecord:
         return (self.e2e_s - self.ttft_s) / (self.output_tokens - 1)
 
 
-def synthetic_requests(count: int, input_len: int, output_len: int, seed: int,
-                       token_pool: Sequence[int] | None) -> list[BenchRequest]:
-    """Random prompts: `input_len` token ids drawn from `token_pool`, or (None) `input_len` words of WORDS.
-    They are random from their first token on, so a prefix cache does not shorten the measured prefills."""
+def synthetic_requests(count: int, input_len: int, output_len: int, seed: int, token_pool: Sequence[int] | None,
+                       shared_prefix_len: int = 0) -> list[BenchRequest]:
+    """Random prompts: `input_len` token ids drawn from `token_pool`, or (None) `input_len` words of WORDS, after
+    `shared_prefix_len` more that every prompt begins with (a system prompt: what a prefix cache serves, as SGLang's
+    generated-shared-prefix dataset). Without one they are random from their first token on, so a prefix cache
+    does not shorten the measured prefills."""
     rng = random.Random(seed)
     if token_pool is not None:
-        return [BenchRequest("", tuple(rng.choices(token_pool, k=input_len)), output_len) for _ in range(count)]
-    return [BenchRequest(" ".join(rng.choices(WORDS, k=input_len)), (), output_len) for _ in range(count)]
+        shared = tuple(rng.choices(token_pool, k=shared_prefix_len))
+        return [BenchRequest("", shared + tuple(rng.choices(token_pool, k=input_len)), output_len)
+                for _ in range(count)]
+    shared_words = rng.choices(WORDS, k=shared_prefix_len)
+    return [BenchRequest(" ".join(shared_words + rng.choices(WORDS, k=input_len)), (), output_len)
+            for _ in range(count)]
 
 
 def dataset_requests(path: str, default_max_tokens: int) -> list[BenchRequest]:
@@ -183,6 +190,8 @@ def summarize(records: Sequence[RequestRecord], duration_s: float) -> dict:
         "errors": sorted({r.error for r in records if r.error is not None})[:5],
         "duration_s": duration_s,
         "input_tokens": sum(r.input_tokens for r in done) if all(r.input_tokens is not None for r in done) else None,
+        "cached_input_tokens": (sum(r.cached_tokens for r in done)
+                                if all(r.cached_tokens is not None for r in done) else None),
         "output_tokens": output_tokens,
         "output_lengths": [None if r.error else r.output_tokens for r in records],  # in request order
         "request_throughput": len(done) / duration_s,
@@ -200,11 +209,14 @@ def format_report(report: dict) -> str:
     def value(v: float | None, digits: int = 2) -> str:
         return "n/a" if v is None else f"{v:.{digits}f}"
 
-    lines = ["| requests | failed | duration (s) | requests/s | output tokens/s | input tokens | output tokens "
-             "| mean acceptance length |", "|---|---|---|---|---|---|---|---|",
+    def count(n: int | None) -> str:
+        return "n/a" if n is None else str(n)
+
+    lines = ["| requests | failed | duration (s) | requests/s | output tokens/s | input tokens | of those cached "
+             "| output tokens | mean acceptance length |", "|---|---|---|---|---|---|---|---|---|",
              f"| {report['completed']} | {report['failed']} | {report['duration_s']:.2f} | "
              f"{report['request_throughput']:.2f} | {report['output_throughput']:.1f} | "
-             f"{'n/a' if report['input_tokens'] is None else report['input_tokens']} | {report['output_tokens']} | "
+             f"{count(report['input_tokens'])} | {count(report['cached_input_tokens'])} | {report['output_tokens']} | "
              f"{value(report['mean_acceptance_length'])} |", "",
              "| latency (ms) | mean | " + " | ".join(f"p{q}" for q in PERCENTILES) + " |",
              "|---|---|" + "---|" * len(PERCENTILES)]

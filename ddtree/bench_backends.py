@@ -69,6 +69,7 @@ class GrpcBackend:
         async for chunk in generation:
             record.add_chunk(len(chunk.token_ids), time.perf_counter())
         record.input_tokens = generation.summary.prompt_tokens
+        record.cached_tokens = generation.summary.cached_tokens
         record.acceptance_lengths = generation.acceptance_lengths
 
     async def close(self) -> None:
@@ -125,6 +126,7 @@ class OpenAIBackend:
                     record.add_chunk(tokens - record.output_tokens, time.perf_counter())
         if usage:
             record.output_tokens, record.input_tokens = usage["completion_tokens"], usage.get("prompt_tokens")
+            record.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
 
     async def close(self) -> None:
         await self._session.close()

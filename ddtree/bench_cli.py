@@ -31,6 +31,9 @@ def add_bench_command(subparsers: argparse._SubParsersAction) -> None:
     bench.add_argument("--num-requests", type=_positive(int), default=100)
     bench.add_argument("--input-len", type=_positive(int), default=128, help="synthetic prompt length, tokens "
                        "(grpc: exact, random token ids; openai: about one token per word)")
+    bench.add_argument("--shared-prefix-len", type=int, default=0, help="synthetic prompts begin with this many "
+                       "tokens (words) in common, before their own --input-len: a system prompt, what a prefix cache "
+                       "serves (default 0: random from the first token)")
     bench.add_argument("--output-len", type=_positive(int), default=128, help="max tokens per request")
     bench.add_argument("--dataset", help='a JSONL file of {"prompt": ..., "max_tokens": ...} (instead of '
                        "synthetic prompts; cycled to --warmup + --num-requests)")
@@ -65,7 +68,8 @@ async def benchmark(args: argparse.Namespace) -> dict:
             requests = list(itertools.islice(itertools.cycle(dataset_requests(args.dataset, args.output_len)),
                                              count))
         else:
-            requests = synthetic_requests(count, args.input_len, args.output_len, args.seed, backend.token_pool)
+            requests = synthetic_requests(count, args.input_len, args.output_len, args.seed, backend.token_pool,
+                                          args.shared_prefix_len)
         if args.warmup:
             warmup, _ = await run_load(backend, requests[:args.warmup], math.inf, args.concurrency, args.seed)
             if failed := [r.error for r in warmup if r.error is not None]:
@@ -80,6 +84,7 @@ async def benchmark(args: argparse.Namespace) -> dict:
             "request_rate": None if math.isinf(args.request_rate) else args.request_rate,
             "concurrency": args.concurrency, "dataset": args.dataset,
             "input_len": None if args.dataset else args.input_len,
+            "shared_prefix_len": None if args.dataset else args.shared_prefix_len,
             "output_len": None if args.dataset else args.output_len, "warmup": args.warmup, "seed": args.seed,
             **summarize(records, duration_s)}
 

@@ -134,6 +134,11 @@ def test_synthetic_prompts_have_the_asked_lengths_and_differ() -> None:
     assert all(len(r.text.split()) == 7 and not r.token_ids for r in by_text)
     assert len({r.text for r in by_text}) == 4
     assert synthetic_requests(4, 7, 3, seed=0, token_pool=None) == by_text
+    shared = synthetic_requests(3, 5, 2, seed=1, token_pool=range(100), shared_prefix_len=4)
+    assert len({r.token_ids[:4] for r in shared}) == 1 and len({r.token_ids for r in shared}) == 3
+    assert all(len(r.token_ids) == 9 for r in shared)
+    worded = synthetic_requests(3, 5, 2, seed=1, token_pool=None, shared_prefix_len=4)
+    assert len({tuple(r.text.split()[:4]) for r in worded}) == 1 and all(len(r.text.split()) == 9 for r in worded)
 
 
 def test_dataset_lines_and_a_bad_line_named(tmp_path: Path) -> None:
@@ -202,6 +207,19 @@ def test_grpc_bench_against_the_local_stack(tiny_target, tmp_path, capsys) -> No
     assert (report["concurrency"], report["request_rate"], report["model"]) == (2, 50.0, tiny_target.name)
     assert_latencies_sane(report)
     assert out.startswith("| requests | failed |") and "| TTFT |" in out
+    assert report["cached_input_tokens"] == 0
+
+
+def test_grpc_bench_with_a_shared_prefix_reports_the_prefix_caches_hits(tiny_target, tmp_path, capsys) -> None:
+    """Prompts that begin with 140 tokens in common: after the warm-up request, each finds two 64-token pages of
+    them in the verifier's prefix cache."""
+    with LocalStack(str(tiny_target), "ngram", gateway_listen=f"127.0.0.1:{free_port()}",
+                    log_dir=tmp_path / "logs") as stack:
+        report, _ = bench(capsys, tmp_path, "--address", stack.addresses["gateway"], "--concurrency", "1",
+                          "--num-requests", "3", "--input-len", "12", "--shared-prefix-len", "140",
+                          "--output-len", "4", "--ignore-eos")
+    assert (report["completed"], report["input_tokens"]) == (3, 3 * 152)
+    assert report["cached_input_tokens"] == 3 * 128 and report["shared_prefix_len"] == 140
 
 
 def fake_openai_app() -> web.Application:

@@ -294,3 +294,15 @@ def test_budget_choices_take_zero_for_the_verifiers_own_budget(monkeypatch) -> N
     assert budget_pins(["0", "7", "adaptive"], refuse) == {"0": 0, "7": 7, "adaptive": 0}
     with pytest.raises(SystemExit, match="'seven' is neither a budget >= 0 nor 'adaptive'"):
         budget_pins(["seven"], refuse)
+
+
+def test_the_prefix_cache_benchmark_compares_two_stacks_on_the_same_requests(tmp_path: Path) -> None:
+    """benchmarks/prefix_cache.py's CPU smoke mode: the stack with the cache found the shared prompt's full pages
+    for every measured request, the one without found none, and both served the same prompts."""
+    run_benchmark("prefix_cache.py", "--shape", "tiny", "--shared-prefix", "300", "--input-len", "20",
+                  "--output-len", "4", "--requests", "3", "--concurrency", "1", "--out-dir", str(tmp_path))
+    result = json.loads((tmp_path / "prefix_cache_tiny.json").read_text())
+    cached, plain = result["runs"]["prefix cache"], result["runs"]["no prefix cache"]
+    assert cached["input_tokens"] == plain["input_tokens"] == 3 * 320
+    assert (cached["cached_input_tokens"], plain["cached_input_tokens"]) == (3 * 256, 0)  # NOTE: 64-token pages
+    assert "| prefix cache |" in (tmp_path / "prefix_cache_tiny.md").read_text()
