@@ -184,9 +184,9 @@ class LeaderEngine(Engine):
         return self._mirrored(command, functools.partial(super().forward, blocks, input_ids))
 
     def burst_length(self, session_ids: list[str], wanted: int) -> int:
-        """One step unless every session decodes greedily: a sampled token is drawn on this rank alone, so the
-        followers could not feed it to the next step."""
-        if not all(self.session(sid).generation.params.greedy for sid in session_ids
+        """One step unless every session decodes by the raw argmax: a sampled token, or one chosen from penalized
+        or biased logits, is chosen on this rank alone, so the followers could not feed it to the next step."""
+        if not all(self.session(sid).generation.params.raw_argmax for sid in session_ids
                    if self.session(sid).generation is not None):
             return 1
         return super().burst_length(session_ids, wanted)

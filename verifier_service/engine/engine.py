@@ -24,6 +24,7 @@ from verifier_service.engine.config import TRITON_MAX_BLOCK, EngineConfig
 from verifier_service.engine.kv_cache import KVCache, TreeScratch
 from verifier_service.engine.logprobs import RowLogprobs, TokenLogprob, asking_spans, ranked_logprobs, read_back
 from verifier_service.engine.page_pool import PagePool
+from verifier_service.engine.penalties import LogitAdjustment
 from verifier_service.engine.prefill import Prefill
 from verifier_service.engine.prefix_cache import PrefixCache
 from verifier_service.engine.sampling import MAX_LOGPROBS, SamplingParams, choose_tokens
@@ -243,6 +244,10 @@ class Engine:
                 raise InvalidArgument(f"stop_token_ids contains {token}, outside the vocabulary")
         if params.stop_strings and self.tokenizer is None:
             raise InvalidArgument("stop_strings need a tokenizer; the checkpoint has none")
+        vocab = self.model_config.vocab_size
+        bad = next((token for token, _ in params.logit_bias if token >= vocab), None)
+        if bad is not None:
+            raise InvalidArgument(f"logit_bias: token {bad} is outside the vocabulary (0..{vocab - 1})")
         generator = None
         if not params.greedy:
             seed = params.seed if params.seed is not None else secrets.randbits(63)
@@ -261,7 +266,9 @@ class Engine:
                               "what the generations under way may take")
         decode = self.tokenizer.decode if self.tokenizer else None
         stop = StopChecker(params, self.model_config.eos_token_ids, decode)
-        session.generation = Generation(params, stop, generator)
+        # NOTE: the prompt of a generation is everything before it: earlier turns and their outputs too
+        adjustment = LogitAdjustment(params, session.tokens, vocab, self.device) if params.adjusts_logits else None
+        session.generation = Generation(params, stop, generator, adjustment)
 
     def end_generation(self, session_id: str) -> None:
         """The session's generation is over (stopped, or its caller went away, maybe before it started): its growth
@@ -408,20 +415,23 @@ class Engine:
         left = session.generation.stop.max_new_tokens - len(session.generation.stop.generated)
         return tree.truncated(min(room, left) - 1)
 
-    def _choose(self, hidden: torch.Tensor, generations: list[Generation], offsets: list[int]
+    def _choose(self, hidden: torch.Tensor, generations: list[Generation], blocks: list[BlockSpec]
                 ) -> tuple[torch.Tensor, RowLogprobs | None]:
         """The target's own token at every verify row ([N], on the device), and the logprobs at the rows of the
         sessions that ask for them (None when none does: then nothing is computed beyond the tokens); session i
-        has rows offsets[i]:offsets[i + 1]."""
-        greedy = all(g.params.greedy for g in generations)
-        chosen = self.head(hidden, greedy)  # [N] tokens, or [N, V] logits
-        tokens = chosen if greedy else torch.cat([choose_tokens(chosen[lo:hi], g.params, g.generator)
-                                                  for g, lo, hi in zip(generations, offsets, offsets[1:])])
+        has the rows of blocks[i]. Unless every session takes the plain argmax, the head computes the full logits
+        and each session's rows are adjusted (penalties.py) and chosen on their own."""
+        offsets = _offsets(blocks)
+        argmax = all(g.params.raw_argmax for g in generations)
+        chosen = self.head(hidden, argmax)  # [N] tokens, or [N, V] logits
+        tokens = chosen if argmax else torch.cat([
+            choose_tokens(_adjusted(chosen[lo:hi], g, b), g.params, g.generator)
+            for g, b, lo, hi in zip(generations, blocks, offsets, offsets[1:])])
         asks = [g.params.logprobs for g in generations]
         spans = asking_spans(asks, offsets)
         if not spans:
             return tokens, None
-        logits = self.logits(hidden, spans) if greedy else _rows(chosen, spans)
+        logits = self.logits(hidden, spans) if argmax else _rows(chosen, spans)  # NOTE: raw, never adjusted
         return tokens, RowLogprobs.of(logits, _rows(tokens, spans), max(a for a in asks if a is not None))
 
     def _distinct_sessions(self, session_ids: list[str]) -> list[Session]:
@@ -438,11 +448,12 @@ class Engine:
         for s, n in zip(sessions, positions):
             s.block_table.prepare_write(s.kv_len, s.kv_len + n, self.kv)
 
-    def _targets(self, hidden: torch.Tensor, generations: list[Generation], offsets: list[int]
+    def _targets(self, hidden: torch.Tensor, generations: list[Generation], blocks: list[BlockSpec]
                  ) -> tuple[list[list[int]], list[list[TokenLogprob] | None]]:
         """The target's own token at every verify row, per session, and the logprobs at every row of those that
         ask for them."""
-        tokens, logprobs = self._choose(hidden, generations, offsets)
+        tokens, logprobs = self._choose(hidden, generations, blocks)
+        offsets = _offsets(blocks)
         sizes = [hi - lo for lo, hi in zip(offsets, offsets[1:])]
         # NOTE: one copy to the host for the batch
         tokens, per_session = read_back(tokens, logprobs, [g.params.logprobs for g in generations], sizes)
@@ -459,8 +470,8 @@ class Engine:
 
         blocks = [BlockSpec.from_tree(s.kv_len, s.root, t, s.block_table.pages) for s, t in zip(sessions, trees)]
         hidden, features = self.forward(blocks)
-        offsets = [0, *itertools.accumulate(len(b.tokens) for b in blocks)]
-        targets, logprobs = self._targets(hidden, [s.generation for s in sessions], offsets)
+        offsets = _offsets(blocks)
+        targets, logprobs = self._targets(hidden, [s.generation for s in sessions], blocks)
 
         results, src_rows, dst_slots = [], [], []
         for s, tree, (_, drafted), lo, session_targets, row_logprobs in zip(sessions, trees, work, offsets, targets,
@@ -469,6 +480,8 @@ class Engine:
             path, next_root = accept_path(tree, session_targets)
             drafted_path = path if tree is drafted else [drafted.kept(tree.max_depth())[i] for i in path]
             emitted, reason = generation.stop.feed([tree.tokens[i] for i in path] + [next_root])
+            if generation.adjustment is not None:
+                generation.adjustment.count(emitted)
             # NOTE: KV keeps tokens[:-1], so the root and all emitted tokens but the last are committed; these are
             # also the rows that chose the emitted tokens, one each
             rows = [lo] + [lo + 1 + i for i in path[: len(emitted) - 1]]
@@ -525,13 +538,16 @@ class Engine:
         self._reserve(sessions, [steps] * len(sessions))
 
         generations, rows = [s.generation for s in sessions], list(range(len(sessions)))
+        adjusted = [(row, g.adjustment) for row, g in enumerate(generations) if g.adjustment is not None]
         ids, chosen, features, logprobs = None, [], [], []
         for offset in range(steps):
             # NOTE: the first step's tokens are the roots; later ones are the last step's choices, on the device
             blocks = [BlockSpec.chain(s.kv_len + offset, [s.root if ids is None else 0], s.block_table.pages)
                       for s in sessions]
             hidden, step_features = self.forward(blocks, ids)
-            ids, step_logprobs = self._choose(hidden, generations, [*rows, len(rows)])
+            ids, step_logprobs = self._choose(hidden, generations, blocks)
+            for row, adjustment in adjusted:  # NOTE: each step's choice counts for the next, on the device
+                adjustment.count(ids[row: row + 1])
             self.commit(rows, [s.block_table.slot(s.kv_len + offset) for s in sessions])
             chosen.append(ids)
             features.append(step_features)
@@ -555,6 +571,18 @@ class Engine:
                 finished=reason, logprobs=None if session_logprobs is None else session_logprobs[: len(emitted)]))
             s.block_table.truncate(s.kv_len)
         return results
+
+
+def _offsets(blocks: list[BlockSpec]) -> list[int]:
+    """Where each block's rows start in the packed batch, and where the last ends."""
+    return [0, *itertools.accumulate(len(b.tokens) for b in blocks)]
+
+
+def _adjusted(logits: torch.Tensor, generation: Generation, block: BlockSpec) -> torch.Tensor:
+    """A session's rows' logits as its choice reads them: with its bias and penalties, if any."""
+    if generation.adjustment is None:
+        return logits
+    return generation.adjustment.apply(logits, block.tokens, block.parent_rows)
 
 
 def _rows(tensor: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tensor:

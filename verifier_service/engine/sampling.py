@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -10,6 +11,7 @@ from proto.limits import MAX_LOGPROBS
 from verifier_service.errors import InvalidArgument
 
 MAX_TOP_K = 1 << 20
+MAX_LOGIT_BIAS = 300  # NOTE: tokens one logit_bias may name (gateway/validation.py holds the same)
 MAX_NEW_TOKENS = 1 << 20
 
 
@@ -24,8 +26,14 @@ class SamplingParams:
     stop_strings: tuple[str, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # None = off; else each emitted token's logprob and this many alternatives
+    # NOTE: the logit adjustments (engine/penalties.py says how and where they apply); 1, 0, 0, () = off
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token, bias) pairs, each token once
 
     def validate(self) -> None:
+        self._validate_adjustments()
         if not 0.0 <= self.temperature <= 100.0:
             raise InvalidArgument(f"temperature must be in [0, 100], got {self.temperature}")
         if not 0 <= self.top_k <= MAX_TOP_K:
@@ -41,9 +49,39 @@ class SamplingParams:
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise InvalidArgument(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
 
+    def _validate_adjustments(self) -> None:
+        if not 0.0 < self.repetition_penalty < math.inf:
+            raise InvalidArgument(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise InvalidArgument(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise InvalidArgument(f"logit_bias names {len(self.logit_bias)} tokens, at most {MAX_LOGIT_BIAS}")
+        if len({token for token, _ in self.logit_bias}) != len(self.logit_bias):
+            raise InvalidArgument("logit_bias names a token twice")
+        for token, bias in self.logit_bias:
+            if token < 0 or not -100.0 <= bias <= 100.0:
+                raise InvalidArgument(f"logit_bias: token {token} -> {bias}: tokens are >= 0, biases in [-100, 100]")
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        """Whether a penalty applies: the tokens seen so far change the logits."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether the logits are changed before the choice: penalties or logit_bias."""
+        return self.penalized or bool(self.logit_bias)
+
+    @property
+    def raw_argmax(self) -> bool:
+        """Whether the token is the argmax of the raw logits (greedy, nothing adjusted): the head then computes
+        argmaxes alone, never the full logits."""
+        return self.greedy and not self.adjusts_logits
 
 
 def target_distribution(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

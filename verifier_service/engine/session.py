@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from verifier_service.engine.block_table import BlockTable
+from verifier_service.engine.penalties import LogitAdjustment
 from verifier_service.engine.sampling import SamplingParams
 from verifier_service.engine.stopping import StopChecker
 
@@ -16,6 +17,7 @@ class Generation:
     params: SamplingParams
     stop: StopChecker
     generator: torch.Generator | None
+    adjustment: LogitAdjustment | None = None  # NOTE: None unless the params adjust the logits (the fast paths)
 
 
 @dataclass
