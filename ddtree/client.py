@@ -50,12 +50,18 @@ def _gateway_error(error: grpc.RpcError) -> GatewayError:
 
 def sampling_params(max_new_tokens: int = 0, temperature: float = 0.0, top_k: int = 0, top_p: float = 0.0,
                     seed: int | None = None, stop: Sequence[str] = (), stop_token_ids: Sequence[int] = (),
-                    ignore_eos: bool = False, logprobs: int | None = None) -> common_pb2.SamplingParams:
+                    ignore_eos: bool = False, logprobs: int | None = None,
+                    repetition_penalty: float | None = None, presence_penalty: float = 0.0,
+                    frequency_penalty: float = 0.0, logit_bias: Mapping[int, float] | None = None
+                    ) -> common_pb2.SamplingParams:
     """0 means "the server's default" for max_new_tokens, and "off" for top_k and top_p. `logprobs`: each token's
-    log-probability and this many alternatives in the chunks (None: none)."""
+    log-probability and this many alternatives in the chunks (None: none). The penalties and `logit_bias` (token id
+    -> bias) as in proto/common.proto; repetition_penalty None: off."""
     params = common_pb2.SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p,
                                        max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids,
-                                       stop_strings=stop, ignore_eos=ignore_eos, logprobs=logprobs)
+                                       stop_strings=stop, ignore_eos=ignore_eos, logprobs=logprobs,
+                                       repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
+                                       frequency_penalty=frequency_penalty, logit_bias=logit_bias)
     if seed is not None:
         params.seed = seed
     return params

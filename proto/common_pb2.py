@@ -24,25 +24,29 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12proto/common.proto\x12\tddtree.v1\"4\n\x06Tensor\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\xdd\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x16\n\x0emax_new_tokens\x18\x05 \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x14\n\x0cstop_strings\x18\x07 \x03(\t\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x15\n\x08logprobs\x18\t \x01(\x05H\x01\x88\x01\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobs\"Z\n\x0cTokenLogprob\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x02 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x03 \x03(\x02\x12\x0c\n\x04rank\x18\x04 \x01(\x05\"N\n\tDraftTree\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\x12\x0f\n\x07parents\x18\x02 \x03(\x05\x12\x0e\n\x06\x64\x65pths\x18\x03 \x03(\x05\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\"X\n\x0fPrefillProgress\x12\x18\n\x10prefilled_tokens\x18\x01 \x01(\x05\x12\x14\n\x0ctotal_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\"^\n\x0bStepTimings\x12\x12\n\nprefill_ms\x18\x01 \x01(\x02\x12\x15\n\rdraft_wait_ms\x18\x02 \x01(\x02\x12\x11\n\tverify_ms\x18\x03 \x01(\x02\x12\x11\n\tcommit_ms\x18\x04 \x01(\x02*\xcb\x01\n\nStopReason\x12\x1b\n\x17STOP_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12STOP_REASON_LENGTH\x10\x01\x12\x1a\n\x16STOP_REASON_STOP_TOKEN\x10\x02\x12\x1b\n\x17STOP_REASON_STOP_STRING\x10\x03\x12\x1d\n\x19STOP_REASON_CONTEXT_LIMIT\x10\x04\x12\x19\n\x15STOP_REASON_CANCELLED\x10\x05\x12\x15\n\x11STOP_REASON_ERROR\x10\x06\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12proto/common.proto\x12\tddtree.v1\"4\n\x06Tensor\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\xba\x03\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x16\n\x0emax_new_tokens\x18\x05 \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x14\n\x0cstop_strings\x18\x07 \x03(\t\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x15\n\x08logprobs\x18\t \x01(\x05H\x01\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\n \x01(\x02H\x02\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x0b \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0c \x01(\x02\x12<\n\nlogit_bias\x18\r \x03(\x0b\x32(.ddtree.v1.SamplingParams.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobsB\x15\n\x13_repetition_penalty\"Z\n\x0cTokenLogprob\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x02 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x03 \x03(\x02\x12\x0c\n\x04rank\x18\x04 \x01(\x05\"N\n\tDraftTree\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\x12\x0f\n\x07parents\x18\x02 \x03(\x05\x12\x0e\n\x06\x64\x65pths\x18\x03 \x03(\x05\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\"X\n\x0fPrefillProgress\x12\x18\n\x10prefilled_tokens\x18\x01 \x01(\x05\x12\x14\n\x0ctotal_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\"^\n\x0bStepTimings\x12\x12\n\nprefill_ms\x18\x01 \x01(\x02\x12\x15\n\rdraft_wait_ms\x18\x02 \x01(\x02\x12\x11\n\tverify_ms\x18\x03 \x01(\x02\x12\x11\n\tcommit_ms\x18\x04 \x01(\x02*\xcb\x01\n\nStopReason\x12\x1b\n\x17STOP_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12STOP_REASON_LENGTH\x10\x01\x12\x1a\n\x16STOP_REASON_STOP_TOKEN\x10\x02\x12\x1b\n\x17STOP_REASON_STOP_STRING\x10\x03\x12\x1d\n\x19STOP_REASON_CONTEXT_LIMIT\x10\x04\x12\x19\n\x15STOP_REASON_CANCELLED\x10\x05\x12\x15\n\x11STOP_REASON_ERROR\x10\x06\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'proto.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_STOPREASON']._serialized_start=670
-  _globals['_STOPREASON']._serialized_end=873
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
+  _globals['_STOPREASON']._serialized_start=891
+  _globals['_STOPREASON']._serialized_end=1094
   _globals['_TENSOR']._serialized_start=33
   _globals['_TENSOR']._serialized_end=85
   _globals['_SAMPLINGPARAMS']._serialized_start=88
-  _globals['_SAMPLINGPARAMS']._serialized_end=309
-  _globals['_TOKENLOGPROB']._serialized_start=311
-  _globals['_TOKENLOGPROB']._serialized_end=401
-  _globals['_DRAFTTREE']._serialized_start=403
-  _globals['_DRAFTTREE']._serialized_end=481
-  _globals['_PREFILLPROGRESS']._serialized_start=483
-  _globals['_PREFILLPROGRESS']._serialized_end=571
-  _globals['_STEPTIMINGS']._serialized_start=573
-  _globals['_STEPTIMINGS']._serialized_end=667
+  _globals['_SAMPLINGPARAMS']._serialized_end=530
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=437
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=485
+  _globals['_TOKENLOGPROB']._serialized_start=532
+  _globals['_TOKENLOGPROB']._serialized_end=622
+  _globals['_DRAFTTREE']._serialized_start=624
+  _globals['_DRAFTTREE']._serialized_end=702
+  _globals['_PREFILLPROGRESS']._serialized_start=704
+  _globals['_PREFILLPROGRESS']._serialized_end=792
+  _globals['_STEPTIMINGS']._serialized_start=794
+  _globals['_STEPTIMINGS']._serialized_end=888
 # @@protoc_insertion_point(module_scope)

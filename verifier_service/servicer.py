@@ -48,6 +48,10 @@ def params_from_pb(params: common_pb2.SamplingParams) -> SamplingParams:
         stop_strings=tuple(params.stop_strings),
         ignore_eos=params.ignore_eos,
         logprobs=params.logprobs if params.HasField("logprobs") else None,
+        repetition_penalty=params.repetition_penalty if params.HasField("repetition_penalty") else 1.0,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        logit_bias=tuple(sorted(params.logit_bias.items())),
     )
 
 
