@@ -9,6 +9,7 @@ validation.py's messages start with) to this request's, for the same purpose.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -19,12 +20,13 @@ from proto import common_pb2
 # Fields this server does not implement: a request may send them only with a value that asks for nothing.
 _NO_OP_VALUES: dict[str, tuple[Any, ...]] = {
     "best_of": (None, 1), "echo": (None, False), "prompt_logprobs": (None,), "suffix": (None, ""),
-    "logit_bias": (None, {}), "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
     "tools": (None, []), "functions": (None, []), "tool_choice": (None, "none", "auto"),
     "response_format": (None, {"type": "text"}),
 }
 _UINT64 = 2**64
 _INT32 = 2**31
+# The logit adjustments (OpenAI's penalties and logit_bias, vLLM's repetition_penalty), all at the body's top level.
+_ADJUSTMENTS = ("repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias")
 
 
 @dataclass(frozen=True)
@@ -124,7 +126,8 @@ def _request(body: dict, prompt_field: str, max_field: str, logprobs: tuple[str,
     names = {"text": prompt_field, "token_ids": prompt_field, "text/token_ids": prompt_field,
              "params.temperature": "temperature", "params.top_p": "top_p", "params.max_new_tokens": max_field,
              "params.stop_strings": "stop", "session": "ddtree.session", "params.logprobs": logprobs[0],
-             "prompt_logprobs": "prompt_logprobs"}
+             "prompt_logprobs": "prompt_logprobs",
+             **{f"params.{name}": name for name in _ADJUSTMENTS}}
     echo = prompt.get("echo", False)
     prompt_only = echo and _integer(body, max_field, None) == 0
     return OpenAIRequest(model=_typed(body, "model", str, ""), params=_params(body, max_field, logprobs, echo),
@@ -157,6 +160,7 @@ def _params(body: dict, max_field: str, logprobs: tuple[str, int | None], echo: 
     if alternatives is not None:
         _check_int32(field, alternatives)
         params.logprobs = alternatives
+    _logit_adjustments(body, params)
     return params
 
 
@@ -171,6 +175,21 @@ def _check_int32(name: str, value: int) -> None:
     """Fits the contract's int32; the range itself is validation.py's, as for gRPC."""
     if not -_INT32 <= value < _INT32:
         raise InvalidArgument(f"{name}: must be a 32-bit integer, got {value}")
+
+
+def _logit_adjustments(body: dict, params: common_pb2.SamplingParams) -> None:
+    """The penalties (0 when absent; repetition_penalty: unset, i.e. 1) and logit_bias, whose keys are token ids
+    written as strings (JSON's keys are strings). Ranges are validation.py's."""
+    params.presence_penalty = _number(body, "presence_penalty", 0.0)
+    params.frequency_penalty = _number(body, "frequency_penalty", 0.0)
+    if body.get("repetition_penalty") is not None:
+        params.repetition_penalty = _number(body, "repetition_penalty", 1.0)
+    for key, bias in _object(body.get("logit_bias") or {}, "logit_bias").items():
+        if not re.fullmatch(r"-?[0-9]{1,10}", key) or not -_INT32 <= int(key) < _INT32:
+            raise InvalidArgument(f"logit_bias: keys are token ids, got {json.dumps(key)}")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)):
+            raise InvalidArgument(f"logit_bias: the bias of token {key} must be a number")
+        params.logit_bias[int(key)] = bias
 
 
 def _prompt(prompt: Any) -> tuple[str, tuple[int, ...]]:

@@ -13,6 +13,7 @@ from proto.limits import MAX_LOGPROBS
 # Choices of one request (OpenAI's `n`), as many generations at once: each also holds a session of the caller's quota
 # while it runs (docs/limits.md), which bounds them further.
 MAX_CHOICES = 16
+MAX_LOGIT_BIAS = 300  # NOTE: tokens one logit_bias may name (proto/common.proto), as the verifier's engine allows
 
 
 def check_prompt_text(text: str, token_ids: Sequence[int], max_bytes: int | None) -> None:
@@ -67,10 +68,27 @@ def checked_params(params: common_pb2.SamplingParams, config: GatewayConfig,
         raise InvalidArgument(f"params.stop_strings: at most {config.max_stop_strings} are allowed")
     if any(not 0 < len(s) <= config.max_stop_string_chars for s in params.stop_strings):
         raise InvalidArgument(f"params.stop_strings: each must have 1 to {config.max_stop_string_chars} characters")
+    _check_logit_adjustments(params, vocab_size)
     checked = common_pb2.SamplingParams()
     checked.CopyFrom(params)
     checked.max_new_tokens = params.max_new_tokens or config.default_max_new_tokens
     return checked
+
+
+def _check_logit_adjustments(params: common_pb2.SamplingParams, vocab_size: int | None) -> None:
+    """The penalties and logit_bias; an unset repetition_penalty is 1 (off), a set one must be positive."""
+    if params.HasField("repetition_penalty") and not 0 < params.repetition_penalty < math.inf:
+        raise InvalidArgument(f"params.repetition_penalty: must be > 0, got {params.repetition_penalty}")
+    _check_range("params.presence_penalty", params.presence_penalty, -2.0, 2.0)
+    _check_range("params.frequency_penalty", params.frequency_penalty, -2.0, 2.0)
+    if len(params.logit_bias) > MAX_LOGIT_BIAS:
+        raise InvalidArgument(f"params.logit_bias: {len(params.logit_bias)} tokens, at most {MAX_LOGIT_BIAS}")
+    last = (vocab_size or 2**31) - 1
+    for token, bias in sorted(params.logit_bias.items()):
+        if not 0 <= token <= last:
+            raise InvalidArgument(f"params.logit_bias: token {token} is outside the vocabulary (0..{last})")
+        if not (math.isfinite(bias) and -100.0 <= bias <= 100.0):
+            raise InvalidArgument(f"params.logit_bias: token {token}'s bias {bias} is outside [-100, 100]")
 
 
 def check_choices(n: int, keep_session: bool) -> None:

@@ -18,6 +18,7 @@ import pytest
 
 from ddtree.client import Client
 from ddtree.local_stack import LocalStack, free_port
+from ddtree.offline import generate_offline
 from gateway.chat_template import ChatTemplate
 from gateway.errors import QuotaExceeded
 from gateway.http_api import _started
@@ -352,6 +353,49 @@ def test_bad_completion_logprobs_name_the_field(stack, fields: dict, param: str)
     error = api_error(lambda: oai(stack).completions.create(model=model(stack), prompt=PROMPT, max_tokens=4,
                                                             extra_body=fields))
     assert error.status_code == 400 and error.body["param"] == param, error.body
+
+
+def test_penalties_and_logit_bias_over_grpc_and_http_equal_plain_decoding(stack, tiny_target, reference) -> None:
+    """Through the gateway's gRPC API and OpenAI's fields (repetition_penalty as vLLM takes it: at the body's top
+    level), under the stack's speculation: the tokens of plain decoding with the same adjustments."""
+    prompt = reference.encode(PROMPT)
+    params = SamplingParams(max_new_tokens=MAX_NEW, repetition_penalty=1.5, presence_penalty=0.8,
+                            frequency_penalty=0.6, logit_bias=((42, 3.0),))
+    expected = generate_offline(make_engine(tiny_target, page_size=64), None, prompt, params).token_ids
+    assert expected != reference(prompt)
+    generation = grpc_client(stack).generate(PROMPT, max_new_tokens=MAX_NEW, repetition_penalty=1.5,
+                                             presence_penalty=0.8, frequency_penalty=0.6, logit_bias={42: 3.0})
+    generation.result()
+    assert generation.token_ids == expected
+    client = oai(stack)
+    reply = client.completions.create(model=model(stack), prompt=PROMPT, max_tokens=MAX_NEW, temperature=0,
+                                      presence_penalty=0.8, frequency_penalty=0.6, logit_bias={"42": 3.0},
+                                      extra_body={"repetition_penalty": 1.5})
+    assert reply.choices[0].text == visible(generation) and reply.usage.completion_tokens == len(expected)
+    (x,) = reference.encode("x")
+    chat = client.chat.completions.create(model=model(stack), messages=CHAT, max_tokens=5, temperature=0,
+                                          logit_bias={str(x): 100})
+    assert chat.choices[0].message.content == "xxxxx"
+
+
+@pytest.mark.parametrize("fields, param, message", [
+    ({"repetition_penalty": 0}, "repetition_penalty", "must be > 0"),
+    ({"repetition_penalty": "1.2"}, "repetition_penalty", "must be a number"),
+    ({"presence_penalty": 2.5}, "presence_penalty", "2.5 is outside [-2.0, 2.0]"),
+    ({"frequency_penalty": -3}, "frequency_penalty", "-3.0 is outside [-2.0, 2.0]"),
+    ({"logit_bias": {"999999": 1}}, "logit_bias", "token 999999 is outside the vocabulary (0..319)"),
+    ({"logit_bias": {"5": 101}}, "logit_bias", "token 5's bias 101.0 is outside [-100, 100]"),
+    ({"logit_bias": {"five": 1}}, "logit_bias", "keys are token ids"),
+    ({"logit_bias": {"5": "1"}}, "logit_bias", "the bias of token 5 must be a number"),
+    ({"logit_bias": [5]}, "logit_bias", "must be a JSON object"),
+    ({"logit_bias": dict.fromkeys(map(str, range(301)), 1)}, "logit_bias", "301 tokens, at most 300"),
+])
+def test_bad_penalties_and_logit_bias_are_400s_naming_the_field(stack, fields: dict, param: str,
+                                                                message: str) -> None:
+    body = json.dumps({"model": model(stack), "messages": CHAT, "max_tokens": 4, **fields}).encode()
+    status, reply = http(stack, "POST", "/v1/chat/completions", body=body)
+    assert status == 400 and reply["error"]["param"] == param, reply
+    assert reply["error"]["message"].startswith(f"{param}: {message}"), reply
 
 
 @pytest.mark.parametrize("prompt, status", [("x" * (MAX_CONTEXT + 10), 413), ([7, -1], 400), (["a", "b"], 400),
