@@ -243,3 +243,20 @@ def test_a_logit_bias_outside_the_vocabulary_is_refused(engine) -> None:
         assert engine.session(session.session_id).generation is None
     finally:
         engine.release_session(session.session_id)
+
+
+@pytest.mark.gpu
+def test_penalties_on_the_gpu_under_graphs_speculation_and_bursts(tiny_target, references) -> None:
+    """The CUDA paths: graph replays with the head outside them, the counts on the device, bursts; equal to the
+    reference decoded on the CPU (a tiny fp32 model: no near ties)."""
+    gpu = make_engine(tiny_target, device="cuda", attention="triton", max_tree_nodes=64)
+    for name in ("repetition", "negative-frequency", "all"):
+        expected = references[name]
+        assert generate(gpu, PENALTIES[name])[0] == expected
+        tokens, results = generate(gpu, PENALTIES[name], planted_trees(expected))
+        assert tokens == expected and any(r.acceptance_length > 3 for r in results)
+        session, _ = gpu.create_session(PROMPT)
+        gpu.start_generation(session.session_id, PENALTIES[name])
+        bursts = burst_to_end(gpu, [session.session_id], steps=6)[session.session_id]
+        gpu.release_session(session.session_id)
+        assert emitted_of(bursts) == expected and max(len(r.emitted) for r in bursts) == 6

@@ -365,6 +365,33 @@ def test_prompt_logprobs_over_two_ranks_equal_one_rank(targets, tmp_path) -> Non
         assert [lp.rank for lp in got] == [lp.rank for lp in expected]
 
 
+@pytest.mark.parametrize("drafted", [True, False], ids=["tree-steps", "single-steps"])
+def test_penalties_over_two_ranks_equal_one_rank(drafted: bool, targets, ngram_drafter, tmp_path) -> None:
+    """Penalized rows take the full logits, gathered on every rank (Head, not greedy); rank 0 adjusts them and
+    chooses. Without a drafter they go one step per call: a token chosen on rank 0 alone cannot feed a burst."""
+    adjustments = dict(repetition_penalty=0.8, presence_penalty=-0.5, frequency_penalty=-0.5)  # NOTE: loops: drafts hit
+    params = SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True, logit_bias=((7, 2.0),), **adjustments)
+    expected = plain_generate(make_engine(targets["tiny"]), prompt_of(21), params)
+    assert expected != plain_generate(make_engine(targets["tiny"]), prompt_of(21), SamplingParams(
+        max_new_tokens=MAX_NEW, ignore_eos=True))
+    with verifier(targets["tiny"], 2, ngram_drafter if drafted else "", tmp_path) as channel:
+        stub = verifier_pb2_grpc.VerifierStub(channel)
+        pb = common_pb2.SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True, logit_bias={7: 2.0}, **adjustments)
+        request = verifier_pb2.VerifierGenerateRequest(session_id=create(stub, prompt_of(21)), params=pb)
+        steps = [step for step in stub.Generate(request, timeout=120) if not step.HasField("prefill")]
+        assert [t for step in steps for t in step.token_ids] == expected
+        if drafted:
+            assert max(step.acceptance_length for step in steps) > 1
+        else:
+            assert {len(step.token_ids) for step in steps} == {1}
+        pb.logit_bias[999999] = 1.0
+        request = verifier_pb2.VerifierGenerateRequest(session_id=create(stub, prompt_of(21)), params=pb)
+        with pytest.raises(grpc.RpcError) as caught:
+            list(stub.Generate(request, timeout=60))
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "logit_bias: token 999999 is outside the vocabulary (0..319)" in caught.value.details()
+
+
 def children(pid: int) -> list[int]:
     return [int(c) for task in Path(f"/proc/{pid}/task").iterdir() for c in (task / "children").read_text().split()]
 
