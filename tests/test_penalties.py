@@ -12,12 +12,14 @@ import torch
 import transformers
 
 from modeling.tree import DraftTree
+from proto import common_pb2
 from tests.engine_helpers import burst_to_end, emitted_of, make_engine, run_to_end
 from verifier_service.engine.engine import Engine, StepResult
 from verifier_service.engine.penalties import LogitAdjustment, path_tokens
 from verifier_service.engine.sampling import SamplingParams
 from verifier_service.engine.verify_batch import BlockSpec
 from verifier_service.errors import InvalidArgument
+from verifier_service.servicer import params_from_pb
 
 PROMPT = [5, 17, 99, 3, 250, 41, 8, 17, 99]
 PLAIN = SamplingParams(max_new_tokens=24, ignore_eos=True)
@@ -260,3 +262,13 @@ def test_penalties_on_the_gpu_under_graphs_speculation_and_bursts(tiny_target, r
         bursts = burst_to_end(gpu, [session.session_id], steps=6)[session.session_id]
         gpu.release_session(session.session_id)
         assert emitted_of(bursts) == expected and max(len(r.emitted) for r in bursts) == 6
+
+
+def test_the_verifiers_params_from_the_wire() -> None:
+    wire = common_pb2.SamplingParams(presence_penalty=0.5, frequency_penalty=-0.25, logit_bias={9: -1.0, 3: 2.0})
+    params = params_from_pb(wire)
+    assert (params.repetition_penalty, params.presence_penalty, params.frequency_penalty) == (1.0, 0.5, -0.25)
+    assert params.logit_bias == ((3, 2.0), (9, -1.0))
+    wire.repetition_penalty = 1.25
+    assert params_from_pb(wire).repetition_penalty == 1.25
+    assert not params_from_pb(common_pb2.SamplingParams()).adjusts_logits

@@ -40,7 +40,7 @@ class LogitAdjustment:
     def apply(self, logits: torch.Tensor, tokens: list[int], parent_rows: list[int]) -> torch.Tensor:
         """logits: [R, V] raw, of one block's rows (`tokens` and `parent_rows` as in a BlockSpec) -> adjusted [R, V],
         a new tensor: the raw logits stay for the logprobs."""
-        if len(self.params.logit_bias):
+        if self.params.logit_bias:
             logits = logits.index_add(1, self.bias_ids, self.bias_values.expand(len(logits), -1))
         if not self.params.penalized:
             return logits
