@@ -8,12 +8,11 @@ from collections.abc import Mapping, Sequence
 from gateway.config import GatewayConfig
 from gateway.errors import InvalidArgument, PromptTooLong
 from proto import common_pb2
-from proto.limits import MAX_LOGPROBS
+from proto.limits import MAX_LOGIT_BIAS, MAX_LOGPROBS
 
 # Choices of one request (OpenAI's `n`), as many generations at once: each also holds a session of the caller's quota
 # while it runs (docs/limits.md), which bounds them further.
 MAX_CHOICES = 16
-MAX_LOGIT_BIAS = 300  # NOTE: tokens one logit_bias may name (proto/common.proto), as the verifier's engine allows
 
 
 def check_prompt_text(text: str, token_ids: Sequence[int], max_bytes: int | None) -> None:

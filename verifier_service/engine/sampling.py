@@ -7,11 +7,10 @@ from dataclasses import dataclass
 
 import torch
 
-from proto.limits import MAX_LOGPROBS
+from proto.limits import MAX_LOGIT_BIAS, MAX_LOGPROBS
 from verifier_service.errors import InvalidArgument
 
 MAX_TOP_K = 1 << 20
-MAX_LOGIT_BIAS = 300  # NOTE: tokens one logit_bias may name (gateway/validation.py holds the same)
 MAX_NEW_TOKENS = 1 << 20
 
 
