@@ -26,6 +26,19 @@ def tiny_target(tmp_path_factory: pytest.TempPathFactory):
     return make_tiny_target(tmp_path_factory.mktemp("tiny-target"), seed=0)
 
 
+@pytest.fixture(scope="module")
+def hf_logprobs(tiny_target):
+    """Token ids -> the log_softmax of transformers' fp32 logits at every position: the logprobs' reference."""
+    import transformers  # NOTE: here, so that tests without it collect where it is not installed
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32).eval()
+
+    def logprobs(ids: list[int]) -> torch.Tensor:
+        with torch.no_grad():
+            return model(torch.tensor([ids])).logits[0].log_softmax(-1)
+    return logprobs
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if torch.cuda.is_available():
         return

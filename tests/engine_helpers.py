@@ -118,3 +118,20 @@ def causal_softmax(scores: torch.Tensor) -> torch.Tensor:
 
 
 causal_attention = CausalAttention()
+
+
+def planted_trees(expected: list[int], seed: int = 0, min_depth: int = 0, max_depth: int = 6):
+    """Draft trees holding the next `min_depth`..`max_depth` tokens of `expected` as one path (a drafter that is
+    sometimes right), each true node after a wrong sibling, under the root and under every true node: the accepted
+    rows are never the first ones, so whatever reads a wrong row shows."""
+    rng = random.Random(seed)
+
+    def next_tree(emitted: list[int]) -> DraftTree:
+        tokens, parents, depths, parent = [], [], [], -1
+        for depth, token in enumerate(expected[len(emitted):][:rng.randrange(min_depth, max_depth + 1)], start=1):
+            tokens += [(token + 1) % 256, token]
+            parents += [parent, parent]
+            depths += [depth, depth]
+            parent = len(tokens) - 1
+        return DraftTree(tuple(tokens), tuple(parents), tuple(depths))
+    return next_tree

@@ -13,7 +13,6 @@ import grpc
 import openai
 import pytest
 import torch
-import transformers
 
 from ddtree.client import Client
 from ddtree.local_stack import LocalStack, free_port
@@ -37,17 +36,6 @@ def stack(tiny_target, tmp_path_factory):
                        gateway_args=("--api-keys-file", str(logs / "keys.txt")))
     with stack:
         yield stack
-
-
-@pytest.fixture(scope="module")
-def hf_logprobs(tiny_target):
-    """Token ids -> the log_softmax of transformers' fp32 logits at every position: the reference."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32).eval()
-
-    def logprobs(ids: list[int]) -> torch.Tensor:
-        with torch.no_grad():
-            return model(torch.tensor([ids])).logits[0].log_softmax(-1)
-    return logprobs
 
 
 @pytest.fixture(scope="module")

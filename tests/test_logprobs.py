@@ -5,18 +5,16 @@ computed for sessions that do not ask; and how the OpenAI API spells them."""
 from __future__ import annotations
 
 import dataclasses
-import random
 
 import pytest
 import torch
-import transformers
 
 from gateway.openai_logprobs import ChoiceLogprobs, TokenSpelling
 from modeling.tiny import byte_level_tokenizer
 from modeling.tokenizer import Tokenizer
 from modeling.tree import DraftTree
 from proto import common_pb2
-from tests.engine_helpers import burst_to_end, make_engine, run_to_end
+from tests.engine_helpers import burst_to_end, make_engine, planted_trees, run_to_end
 from verifier_service.engine.engine import Engine, StepResult
 from verifier_service.engine.logprobs import TokenLogprob
 from verifier_service.engine.prefill import Prefill
@@ -27,17 +25,6 @@ PROMPT = [5, 17, 99, 3, 250, 41, 8]
 GREEDY_LP = SamplingParams(max_new_tokens=30, ignore_eos=True, logprobs=5)
 SAMPLED_LP = SamplingParams(temperature=0.8, top_k=40, top_p=0.9, seed=3, max_new_tokens=30, ignore_eos=True,
                             logprobs=5)
-
-
-@pytest.fixture(scope="module")
-def hf_logprobs(tiny_target):
-    """The log_softmax of transformers' fp32 logits at every position of `ids`: the reference."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32).eval()
-
-    def logprobs(ids: list[int]) -> torch.Tensor:
-        with torch.no_grad():
-            return model(torch.tensor([ids])).logits[0].log_softmax(-1)
-    return logprobs
 
 
 def generate(engine: Engine, params: SamplingParams, next_tree=lambda _: DraftTree.empty(),
@@ -52,22 +39,6 @@ def generate(engine: Engine, params: SamplingParams, next_tree=lambda _: DraftTr
 def logprobs_of(results: list[StepResult]) -> list[TokenLogprob]:
     assert all(len(r.logprobs) == len(r.emitted) for r in results)
     return [lp for r in results for lp in r.logprobs]
-
-
-def planted_trees(expected: list[int], seed: int = 0):
-    """Trees holding a prefix of `expected` (a drafter that is sometimes right), each true node after a wrong
-    sibling: the accepted nodes are never the first rows, so a logprob read from the wrong row shows."""
-    rng = random.Random(seed)
-
-    def next_tree(emitted: list[int]) -> DraftTree:
-        tokens, parents, depths, parent = [], [], [], -1
-        for depth, token in enumerate(expected[len(emitted):][:rng.randrange(7)], start=1):
-            tokens += [(token + 1) % 256, token]
-            parents += [parent, parent]
-            depths += [depth, depth]
-            parent = len(tokens) - 1
-        return DraftTree(tuple(tokens), tuple(parents), tuple(depths))
-    return next_tree
 
 
 def assert_matches_reference(tokens: list[int], logprobs: list[TokenLogprob], reference: torch.Tensor,

@@ -5,7 +5,7 @@ in decode bursts, and in batches whose other sessions' outputs stay as they were
 from __future__ import annotations
 
 import dataclasses
-import random
+import functools
 
 import pytest
 import torch
@@ -13,7 +13,7 @@ import transformers
 
 from modeling.tree import DraftTree
 from proto import common_pb2
-from tests.engine_helpers import burst_to_end, emitted_of, make_engine, run_to_end
+from tests.engine_helpers import burst_to_end, emitted_of, make_engine, planted_trees, run_to_end
 from verifier_service.engine.engine import Engine, StepResult
 from verifier_service.engine.penalties import LogitAdjustment, path_tokens
 from verifier_service.engine.sampling import SamplingParams
@@ -35,6 +35,9 @@ PENALTIES = {
     ),
 }
 REPEATING = ("repetition-below-1", "negative-frequency", "all")  # NOTE: their outputs repeat a token in one path
+
+# NOTE: paths of 1 to 8 true tokens: deep enough that an accepted path repeats a token
+deep_planted_trees = functools.partial(planted_trees, min_depth=1, max_depth=8)
 
 
 def adjusted_by_hand(
@@ -88,23 +91,6 @@ def generate(
         engine.release_session(session.session_id)
 
 
-def planted_trees(expected: list[int], seed: int = 0):
-    """Trees holding up to 8 tokens of `expected` as one path, each true node after a wrong sibling (so the true
-    rows are never the first), under the root and under every true node."""
-    rng = random.Random(seed)
-
-    def next_tree(emitted: list[int]) -> DraftTree:
-        tokens, parents, depths, parent = [], [], [], -1
-        for depth, token in enumerate(expected[len(emitted) :][: rng.randrange(1, 9)], start=1):
-            tokens += [(token + 1) % 256, token]
-            parents += [parent, parent]
-            depths += [depth, depth]
-            parent = len(tokens) - 1
-        return DraftTree(tuple(tokens), tuple(parents), tuple(depths))
-
-    return next_tree
-
-
 @pytest.mark.parametrize("name", list(PENALTIES))
 def test_plain_greedy_with_penalties_equals_the_reference(engine, references, name) -> None:
     tokens, _ = generate(engine, PENALTIES[name])
@@ -119,7 +105,7 @@ def test_the_penalties_change_the_output(engine, references) -> None:
 @pytest.mark.parametrize("name", list(PENALTIES))
 def test_speculative_greedy_with_penalties_equals_the_reference(engine, references, name) -> None:
     expected = references[name]
-    tokens, results = generate(engine, PENALTIES[name], planted_trees(expected))
+    tokens, results = generate(engine, PENALTIES[name], deep_planted_trees(expected))
     assert tokens == expected
     assert any(r.acceptance_length > 3 for r in results)
     if name in REPEATING:  # a deeper row counts a token its path already holds
@@ -154,7 +140,7 @@ def test_penalties_in_a_batch_leave_the_other_sessions_outputs_as_they_were(engi
         session, _ = engine.create_session(prompt)
         engine.start_generation(session.session_id, params)
         ids.append(session.session_id)
-    trees = [planted_trees(references["all"]), lambda _: DraftTree.empty(), lambda _: DraftTree.empty()]
+    trees = [deep_planted_trees(references["all"]), lambda _: DraftTree.empty(), lambda _: DraftTree.empty()]
     outputs: dict[str, list[int]] = {sid: [] for sid in ids}
     live = list(ids)
     while live:
@@ -189,18 +175,18 @@ def test_a_seeded_sampled_generation_with_penalties_replays(engine, references) 
     first, _ = generate(engine, params)
     assert generate(engine, params)[0] == first
     assert generate(engine, dataclasses.replace(params, seed=8))[0] != first
-    speculative, _ = generate(engine, params, planted_trees(first))
+    speculative, _ = generate(engine, params, deep_planted_trees(first))
     assert len(speculative) == params.max_new_tokens  # a draw per row: its own tokens, exact in distribution
 
 
 def test_a_full_logit_bias_forces_its_token(engine) -> None:
-    tokens, _ = generate(engine, dataclasses.replace(PLAIN, logit_bias=((123, 100.0),)), planted_trees([123] * 24))
+    tokens, _ = generate(engine, dataclasses.replace(PLAIN, logit_bias=((123, 100.0),)), deep_planted_trees([123] * 24))
     assert tokens == [123] * 24
 
 
 def test_logprobs_stay_raw_under_penalties(engine, hf_model, references) -> None:
     params = dataclasses.replace(PENALTIES["all"], logprobs=3)
-    tokens, results = generate(engine, params, planted_trees(references["all"]))
+    tokens, results = generate(engine, params, deep_planted_trees(references["all"]))
     assert tokens == references["all"]
     with torch.no_grad():
         raw = hf_model(torch.tensor([PROMPT + tokens])).logits[0].log_softmax(-1)[len(PROMPT) - 1 : -1]
@@ -255,7 +241,7 @@ def test_penalties_on_the_gpu_under_graphs_speculation_and_bursts(tiny_target, r
     for name in ("repetition", "negative-frequency", "all"):
         expected = references[name]
         assert generate(gpu, PENALTIES[name])[0] == expected
-        tokens, results = generate(gpu, PENALTIES[name], planted_trees(expected))
+        tokens, results = generate(gpu, PENALTIES[name], deep_planted_trees(expected))
         assert tokens == expected and any(r.acceptance_length > 3 for r in results)
         session, _ = gpu.create_session(PROMPT)
         gpu.start_generation(session.session_id, PENALTIES[name])
