@@ -415,13 +415,13 @@ class Engine:
         left = session.generation.stop.max_new_tokens - len(session.generation.stop.generated)
         return tree.truncated(min(room, left) - 1)
 
-    def _choose(self, hidden: torch.Tensor, generations: list[Generation], blocks: list[BlockSpec]
-                ) -> tuple[torch.Tensor, RowLogprobs | None]:
+    def _choose(self, hidden: torch.Tensor, generations: list[Generation], blocks: list[BlockSpec],
+                offsets: list[int]) -> tuple[torch.Tensor, RowLogprobs | None]:
         """The target's own token at every verify row ([N], on the device), and the logprobs at the rows of the
         sessions that ask for them (None when none does: then nothing is computed beyond the tokens); session i
-        has the rows of blocks[i]. Unless every session takes the plain argmax, the head computes the full logits
-        and each session's rows are adjusted (penalties.py) and chosen on their own."""
-        offsets = _offsets(blocks)
+        has the rows of blocks[i], offsets[i]:offsets[i + 1] (_offsets). Unless every session takes the plain argmax,
+        the head computes the full logits and each session's rows are adjusted (penalties.py) and chosen on their
+        own."""
         argmax = all(g.params.raw_argmax for g in generations)
         chosen = self.head(hidden, argmax)  # [N] tokens, or [N, V] logits
         tokens = chosen if argmax else torch.cat([
@@ -448,12 +448,11 @@ class Engine:
         for s, n in zip(sessions, positions):
             s.block_table.prepare_write(s.kv_len, s.kv_len + n, self.kv)
 
-    def _targets(self, hidden: torch.Tensor, generations: list[Generation], blocks: list[BlockSpec]
-                 ) -> tuple[list[list[int]], list[list[TokenLogprob] | None]]:
+    def _targets(self, hidden: torch.Tensor, generations: list[Generation], blocks: list[BlockSpec],
+                 offsets: list[int]) -> tuple[list[list[int]], list[list[TokenLogprob] | None]]:
         """The target's own token at every verify row, per session, and the logprobs at every row of those that
         ask for them."""
-        tokens, logprobs = self._choose(hidden, generations, blocks)
-        offsets = _offsets(blocks)
+        tokens, logprobs = self._choose(hidden, generations, blocks, offsets)
         sizes = [hi - lo for lo, hi in zip(offsets, offsets[1:])]
         # NOTE: one copy to the host for the batch
         tokens, per_session = read_back(tokens, logprobs, [g.params.logprobs for g in generations], sizes)
@@ -471,7 +470,7 @@ class Engine:
         blocks = [BlockSpec.from_tree(s.kv_len, s.root, t, s.block_table.pages) for s, t in zip(sessions, trees)]
         hidden, features = self.forward(blocks)
         offsets = _offsets(blocks)
-        targets, logprobs = self._targets(hidden, [s.generation for s in sessions], blocks)
+        targets, logprobs = self._targets(hidden, [s.generation for s in sessions], blocks, offsets)
 
         results, src_rows, dst_slots = [], [], []
         for s, tree, (_, drafted), lo, session_targets, row_logprobs in zip(sessions, trees, work, offsets, targets,
@@ -538,6 +537,7 @@ class Engine:
         self._reserve(sessions, [steps] * len(sessions))
 
         generations, rows = [s.generation for s in sessions], list(range(len(sessions)))
+        offsets = [*rows, len(rows)]  # NOTE: one row a session
         adjusted = [(row, g.adjustment) for row, g in enumerate(generations) if g.adjustment is not None]
         ids, chosen, features, logprobs = None, [], [], []
         for offset in range(steps):
@@ -545,7 +545,7 @@ class Engine:
             blocks = [BlockSpec.chain(s.kv_len + offset, [s.root if ids is None else 0], s.block_table.pages)
                       for s in sessions]
             hidden, step_features = self.forward(blocks, ids)
-            ids, step_logprobs = self._choose(hidden, generations, blocks)
+            ids, step_logprobs = self._choose(hidden, generations, blocks, offsets)
             for row, adjustment in adjusted:  # NOTE: each step's choice counts for the next, on the device
                 adjustment.count(ids[row: row + 1])
             self.commit(rows, [s.block_table.slot(s.kv_len + offset) for s in sessions])

@@ -75,7 +75,10 @@ class Prefill:
     @property
     def pages_needed(self) -> int:
         """The free pages the new positions take beyond what the session holds (fresh copies of shared ones
-        included): cached pages only where nobody holds them (until taken they count as free)."""
+        included): cached pages only where nobody holds them (until taken they count as free); 0 once reserved,
+        when it has taken them."""
+        if self.reserved:
+            return 0
         table = self.session.block_table
         revived = sum(table.pool.refcount[page] == 0 for page in self.hits)
         return table.pages_needed(self.start, self.end) - len(self.hits) + revived
