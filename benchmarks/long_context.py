@@ -42,7 +42,7 @@ import statistics
 import sys
 import time
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from e2e_step import git_commit, shape_of
@@ -159,6 +159,7 @@ class Stream:
     record: RequestRecord
     prefill_messages: int = 0
     session: str = ""  # the session's handle (kept with `keep_session`)
+    token_ids: list[int] = field(default_factory=list)
 
 
 async def generate(client: AsyncClient, text: str, max_new_tokens: int, tree_budget: int = 0,
@@ -170,6 +171,7 @@ async def generate(client: AsyncClient, text: str, max_new_tokens: int, tree_bud
         if isinstance(event, gateway_pb2.GenerateChunk):
             # NOTE: the first chunk is the first token (TTFT); later gaps are one step each
             stream.record.add_chunk(len(event.token_ids), time.perf_counter())
+            stream.token_ids.extend(event.token_ids)
         else:
             stream.prefill_messages += 1
     stream.record.finish(time.perf_counter())
@@ -323,6 +325,7 @@ def measure(drafter: str, plan: StackPlan) -> tuple[list[dict], float]:
         for context, documents in plan.texts.items():
             turn = 0
             for document, texts in enumerate(documents, 1):
+                first_outputs: list[list[int]] | None = None
                 parents, prefill_ms = (asyncio.run(prefill_sessions(gateway, texts)) if plan.shared_prefill
                                        else (None, None))
                 try:
@@ -331,8 +334,11 @@ def measure(drafter: str, plan: StackPlan) -> tuple[list[dict], float]:
                             before = verifier_counters(metrics_port)
                             streams, duration_s = asyncio.run(run_sessions(gateway, texts, plan.max_new_tokens, pin,
                                                                            parents))
+                            outputs = [stream.token_ids for stream in streams]
+                            first_outputs = first_outputs or outputs
                             rows.append({**context_row(drafter, context, budget, streams, duration_s, before,
                                                        verifier_counters(metrics_port)), "document": document,
+                                         "same_tokens_as_first_run": same_prefix(first_outputs, outputs),
                                          "run": repeat, **({"document_prefill_ms": prefill_ms} if parents else {})})
                             print(json.dumps(rows[-1]), flush=True)
                         turn += 1
@@ -342,6 +348,15 @@ def measure(drafter: str, plan: StackPlan) -> tuple[list[dict], float]:
         return rows, start_s
     finally:
         stack.stop()
+
+
+def same_prefix(first: list[list[int]], outputs: list[list[int]]) -> int:
+    """The tokens every session's output shares with the same session's in the document's first run, from the
+    start. Greedy outputs are exact in exact arithmetic; in bf16 a verify of T rows rounds otherwise than one of T'
+    (other matmul tilings), so a random model's near-tied logits may tip another way and the text, and with it what
+    the drafter can hit, differs between budgets after that many tokens."""
+    return min(next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), min(len(x), len(y)))
+               for x, y in zip(first, outputs))
 
 
 def median_rates(rows: list[dict]) -> dict[tuple[str, int, str], tuple[int, float]]:
@@ -412,7 +427,7 @@ def markdown(result: dict) -> str:
               "| context | drafter | budget | document | run | TTFT ms (mean / max) | decode tok/s per session "
               "| all sessions | vs plain | vs best fixed budget | ms / step | verifier step ms "
               "| outside the verifier ms | draft round ms | the drafter's own ms | seed ms | mean acceptance "
-              "| mean tree budget | draft misses |", "|---" * 19 + "|"]
+              "| mean tree budget | draft misses | same tokens as the first run |", "|---" * 20 + "|"]
     for r in result["rows"]:
         speedup = "-" if r["speedup_vs_plain"] is None else f"{r['speedup_vs_plain']:.2f}x"
         vs_best = "-" if r.get("vs_best_fixed") is None else f"{r['vs_best_fixed']:.2f}x"
@@ -424,7 +439,8 @@ def markdown(result: dict) -> str:
                      f"{cell(r['outside_verifier_ms_per_step'], 2)} | {cell(r.get('draft_round_ms'), 2)} | "
                      f"{cell(r.get('drafter_compute_ms'), 2)} | {cell(r.get('seed_ms'))} | "
                      f"{cell(r['mean_acceptance_length'], 2)} | "
-                     f"{cell(r.get('mean_tree_budget'))} | {r['draft_misses']} |")
+                     f"{cell(r.get('mean_tree_budget'))} | {r['draft_misses']} | "
+                     f"{r.get('same_tokens_as_first_run', '-')} |")
     shared = ("With --shared-prefill each document's sessions were prefilled once and every run generated on forks "
               "of them: TTFT is a fork's first step (the prefills' means are the JSON's document_prefill_ms). "
               if settings.get("shared_prefill") else "")
@@ -444,7 +460,10 @@ def markdown(result: dict) -> str:
               "generation's mirror on the drafter, from its Open to the drafter's acknowledgement, the generation "
               "stepping without drafts meanwhile (`ddtree_verifier_seed_seconds`; not in the draft round's mean). "
               "Mean acceptance: tokens per step, the first included. Mean tree budget: the draft nodes the verifier "
-              "asked for per step after the first (`ddtree_verifier_tree_budget`; its policy's choice)."
+              "asked for per step after the first (`ddtree_verifier_tree_budget`; its policy's choice). Same tokens as "
+              "the first run: the new tokens every session's output shares, from the start, with its output in the "
+              "document's first run (all of them: the runs generated the same text, so their drafts could hit "
+              "alike; fewer: bf16 rounding differs with the rows verified, a near-tied token tipped another way)."
               + (" Random weights: the DFlash drafter's acceptance means nothing, its cost per step does; the n-gram "
                  "drafter hits because the prompt and the random model's output repeat themselves."
                  if result["shape"] != "tiny" else ""), ""]

@@ -103,6 +103,7 @@ def test_tree_budgets_run_each_choice_on_one_stack_against_the_best_fixed(tmp_pa
         else:  # the verifier's policy, within its maximum
             assert 0 <= row["mean_tree_budget"] <= 7
         assert row["vs_best_fixed"] > 0
+        assert row["same_tokens_as_first_run"] == 24  # fp32: greedy is exact whatever each step verifies
     medians = {b: statistics.median(r["decode_tokens_per_s"] for r in result["rows"] if r["budget"] == b)
                for b in ("3", "7", "adaptive")}
     best = max(medians["3"], medians["7"])
