@@ -339,8 +339,10 @@ def measure(drafter: str, plan: StackPlan) -> tuple[list[dict], float]:
                             rows.append({**context_row(drafter, context, budget, streams, duration_s, before,
                                                        verifier_counters(metrics_port)), "document": document,
                                          "same_tokens_as_first_run": same_prefix(first_outputs, outputs),
+                                         "output_token_ids": outputs,
                                          "run": repeat, **({"document_prefill_ms": prefill_ms} if parents else {})})
-                            print(json.dumps(rows[-1]), flush=True)
+                            print(json.dumps({k: v for k, v in rows[-1].items() if k != "output_token_ids"}),
+                                  flush=True)
                         turn += 1
                 finally:
                     if parents:
@@ -522,6 +524,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--merge", action="store_true",
                         help="keep the rows of the results already in --out-dir that this run does not measure again "
                              "(same shape and settings): a run split over several calls, e.g. one per drafter")
+    parser.add_argument("--save-outputs", action="store_true",
+                        help="also write every run's generated token ids (long_context_SHAPE_outputs.json): the texts "
+                             "benchmarks/budget_replay.py replays the budget policies on")
     parser.add_argument("--commit", default=None,
                         help="the commit to record (default: the checkout's, from git; a copy without .git: unknown)")
     return parser
@@ -595,6 +600,8 @@ def main() -> None:
            "date": time.strftime("%Y-%m-%d %H:%M"), "device": device_name(found.device),
            "drafters": args.drafters, "contexts": args.contexts, "kv_budget_mb": kv_mb, "max_context": max_context,
            "checkpoints_s": checkpoint_s, "stack_start_s": start_s, "wall_s": time.perf_counter() - started}
+    outputs = [{key: row[key] for key in ("drafter", "context", "budget", "document", "run")}
+               | {"token_ids": row.pop("output_token_ids")} for row in rows]
     result = {"shape": args.shape, "target": str(found.target), "dflash": str(found.dflash), "settings": settings,
               "runs": [run], "rows": rows}
     if earlier is not None:
@@ -603,6 +610,9 @@ def main() -> None:
     add_speedups(result["rows"])
     args.out_dir.mkdir(parents=True, exist_ok=True)
     json_path.write_text(json.dumps(result, indent=1) + "\n")
+    if args.save_outputs:
+        (args.out_dir / f"long_context_{args.shape}_outputs.json").write_text(
+            json.dumps({"command": run["command"], "commit": run["commit"], "rows": outputs}) + "\n")
     md_path.write_text(markdown(result))
     print(markdown(result))
 

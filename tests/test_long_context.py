@@ -89,7 +89,7 @@ def test_each_document_opens_every_session_differently(monkeypatch) -> None:
 def test_tree_budgets_run_each_choice_on_one_stack_against_the_best_fixed(tmp_path: Path) -> None:
     run_benchmark("long_context.py", "--shape", "tiny", "--contexts", "300", "--drafters", "ngram",
                   "--tree-budgets", "3", "7", "adaptive", "--repeats", "2", "--max-new-tokens", "24",
-                  "--out-dir", str(tmp_path))
+                  "--save-outputs", "--out-dir", str(tmp_path))
     result = json.loads((tmp_path / "long_context_tiny.json").read_text())
     settings = result["settings"]
     assert (settings["budget_policy"], settings["tree_budget"], settings["repeats"]) == ("adaptive", 7, 2)
@@ -104,6 +104,9 @@ def test_tree_budgets_run_each_choice_on_one_stack_against_the_best_fixed(tmp_pa
             assert 0 <= row["mean_tree_budget"] <= 7
         assert row["vs_best_fixed"] > 0
         assert row["same_tokens_as_first_run"] == 24  # fp32: greedy is exact whatever each step verifies
+    outputs = json.loads((tmp_path / "long_context_tiny_outputs.json").read_text())["rows"]
+    assert [(o["budget"], o["run"]) for o in outputs] == [(r["budget"], r["run"]) for r in result["rows"]]
+    assert all(o["token_ids"] == outputs[0]["token_ids"] and len(o["token_ids"][0]) == 24 for o in outputs)
     medians = {b: statistics.median(r["decode_tokens_per_s"] for r in result["rows"] if r["budget"] == b)
                for b in ("3", "7", "adaptive")}
     best = max(medians["3"], medians["7"])
