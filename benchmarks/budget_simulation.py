@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -92,12 +93,22 @@ class Workload:
     siblings: bool = False
     found: int = 1  # the drafter proposes anything on one unlucky step in `found` only (an empty tree otherwise)
     looping: int = 0  # one session in `looping` repeats itself instead (its drafts accept their whole chain)
+    # NOTE: the lucky steps fall on text positions drawn at random (one in `every`) rather than on every `every`-th:
+    # a random model's text repeats itself in places, and which places does not depend on the budgets a policy took
+    scattered: bool = False
 
     @property
     def trees(self) -> str:
         """The table's words for its trees."""
         kind = f"candidates, found on 1 step in {self.found}" if self.siblings else "chains"
+        kind += ", on random steps" if self.scattered else ""
         return kind + (f"; 1 session in {self.looping} loops" if self.looping else "")
+
+    def lucky(self, made: int, session: int) -> bool:
+        """Whether a step `made` tokens into the session's generation may accept (`path`)."""
+        if self.scattered:
+            return random.Random(made * 7919 + session).random() < 1 / self.every
+        return (made + session) % self.every == 0
 
     def of_session(self, session: int) -> Workload:
         return Workload(CHAIN) if self.looping and session % self.looping == self.looping - 1 else self
@@ -179,7 +190,7 @@ def tokens_per_s(new_policy: Callable[[StepCosts], BudgetPolicy], sessions: int,
                     emit(i, 1)
             continue
         texts = [workload.of_session(i) for i in range(sessions)]
-        lucky = [(made[i] + i) % texts[i].every == 0 for i in range(sessions)]
+        lucky = [texts[i].lucky(made[i], i) for i in range(sessions)]
         trees = [texts[i].tree(budget, made[i], lucky[i]) if budget else DraftTree.empty()
                  for i, budget in enumerate(budgets)]
         batch = BatchShape(sessions, sum(len(tree) + 1 for tree in trees))
@@ -212,7 +223,9 @@ WORKLOADS = (Workload(13, 8), Workload(13), Workload(0), Workload(1), Workload(3
              # NOTE: the next token's candidates, mostly none, the right one on one step in 33 (random weights, n-gram
              # drafts), and the same with one session in 8 (or 16) repeating itself
              Workload(1, every=33, siblings=True, found=4), Workload(1, every=33, siblings=True, found=4, looping=8),
-             Workload(1, every=33, siblings=True, found=4, looping=16))
+             Workload(1, every=33, siblings=True, found=4, looping=16),
+             # NOTE: text that repeats in scattered places: a draft's chain accepted on one step in 2 or 3, at random
+             Workload(6, every=2, scattered=True), Workload(13, every=3, scattered=True))
 FIXED = (0, 7, 15, 31, 63)
 
 

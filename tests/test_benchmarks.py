@@ -199,9 +199,10 @@ def test_ngram_drafter_smoke_run_writes_its_table(tmp_path: Path) -> None:
 def test_budget_simulation_smoke_run_writes_its_table(tmp_path: Path) -> None:
     run_benchmark("budget_simulation.py", "--sessions", "1", "--out-dir", str(tmp_path))
     rows = json.loads((tmp_path / "budget_simulation.json").read_text())["rows"]
-    # NOTE: 12 texts on 5 batch engines at --sessions, and on the long-context one at 1 and 4 sessions
-    assert len(rows) == 5 * 12 + 2 * 12 and all(r["adaptive"] > 0 and r["vs_best"] > 0 for r in rows)
-    assert {r["every"] for r in rows} == {1, 8, 20, 33}  # the texts whose drafts seldom pay
+    # NOTE: 14 texts on 5 batch engines at --sessions, and on the long-context one at 1 and 4 sessions
+    assert len(rows) == 5 * 14 + 2 * 14 and all(r["adaptive"] > 0 and r["vs_best"] > 0 for r in rows)
+    assert {r["every"] for r in rows} == {1, 2, 3, 8, 20, 33}  # drafts that pay on some steps, or seldom
+    assert sum(1 for r in rows if "random steps" in r["trees"]) == 2 * 7
     assert sum(1 for r in rows if "loops" in r["trees"]) == 2 * 7
     assert {r["sessions"] for r in rows if r["engine"] == "long-context"} == {1, 4}
 
@@ -306,3 +307,31 @@ def test_the_prefix_cache_benchmark_compares_two_stacks_on_the_same_requests(tmp
     assert cached["input_tokens"] == plain["input_tokens"] == 3 * 320
     assert (cached["cached_input_tokens"], plain["cached_input_tokens"]) == (3 * 256, 0)  # NOTE: 64-token pages
     assert "| prefix cache |" in (tmp_path / "prefix_cache_tiny.md").read_text()
+
+
+def test_budget_replay_walks_every_policy_over_the_recorded_text(tmp_path: Path) -> None:
+    """A text that repeats a 12-token phrase: every budget drafts it from the history, larger trees reach further
+    into it, and plain decoding is slowest; the table names the recording."""
+    phrase = list(range(1000, 1012))
+    text = [500, 501, 502] + phrase * 20
+    outputs = tmp_path / "long_context_tiny_outputs.json"
+    outputs.write_text(json.dumps({"command": "recorded", "rows": [
+        {"drafter": "ngram", "context": 300, "budget": "7", "document": 1, "run": 1, "token_ids": [text]},
+        {"drafter": "none", "context": 300, "budget": "-", "document": 1, "run": 1, "token_ids": [text]}]}))
+    run_benchmark("budget_replay.py", str(outputs), "--out-dir", str(tmp_path))
+    (row,) = json.loads((tmp_path / "budget_replay_tiny.json").read_text())["rows"]  # plain decoding's left out
+    rates = row["rates"]
+    assert rates["0"] < rates["7"] < rates["15"] and rates["adaptive"] > rates["0"]
+    assert "`recorded`" in (tmp_path / "budget_replay_tiny.md").read_text()
+
+
+def test_a_recorded_text_accepts_the_path_it_follows(monkeypatch) -> None:
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from benchmarks.budget_replay import RecordedText
+    from modeling.tree import DraftTree
+
+    text = RecordedText([1, 2, 3], [7, 8, 9, 4])
+    # root -> 8 (0), root -> 5 (1); 8 -> 6 (2), 8 -> 9 (3); 9 -> 4 (4): after the first token (7) the text is 8 9 4
+    tree = DraftTree((8, 5, 6, 9, 4), (-1, -1, 0, 0, 3), (1, 1, 2, 2, 3))
+    assert text.path(tree, 1, True) == [0, 3, 4]
+    assert text.path(tree, 2, True) == [] and text.path(DraftTree.empty(), 1, True) == []
