@@ -268,7 +268,7 @@ def test_empty_drafts_count_less_than_failed_trees_and_the_first_not_at_all() ->
     for found in (False, True):
         costs, shared = StepCosts(), ServiceRecord()
         policy = adaptive(costs, shared)
-        first_step(policy, costs)
+        first_step(policy, costs, others=1)  # NOTE: the batch holds the session whose record follows
         for _ in range(3):
             policy.observe(MAX, DraftTree.chain(list(range(MAX if found else 0))), [])
         assert choose(policy) == 0
@@ -278,7 +278,9 @@ def test_empty_drafts_count_less_than_failed_trees_and_the_first_not_at_all() ->
         for _ in range(12):
             policy.observe(0, None, [])
         expected[found] = policy.offer(500).accepted[-1]
-    assert expected[False] > 2 * expected[True] and expected[True] < 1, expected
+    # NOTE: both come back to the others' record after twelve idle steps (it weighs half of `hope` in a batch of
+    # two), the one whose trees failed less far
+    assert expected[False] > 1.2 * expected[True] and expected[True] < 0.8 * 20, expected
 
 
 def test_a_batch_that_only_ever_stepped_without_trees_still_tries_one() -> None:
@@ -321,12 +323,14 @@ def test_a_session_whose_trees_fail_does_not_expect_what_a_session_that_repeats_
     for _ in range(30):
         looping.observe(15, DraftTree.chain(list(range(15))), list(range(14)))
     policy = adaptive(costs, shared)
-    first_step(policy, costs)
+    first_step(policy, costs, others=63)  # NOTE: a batch of 64, as on the H100
     policy.observe(3, DraftTree(tuple(range(3)), (-1, -1, -1), (1, 1, 1)), [])  # three candidates, none matched
     for _ in range(8):
         policy.observe(0, None, [])
     fifteen = policy.offer(500).candidates.index(15)
-    assert policy.offer(500).accepted[fifteen] < 0.2
+    # NOTE: ~1.0 nodes (the service's record weighs 3 / 64 of a step here): far from the 14 the looping session's
+    # trees accept; the simulated batches of 16 and 64 with one looping session in 8 keep their rates
+    assert policy.offer(500).accepted[fifteen] < 1.2
     for _ in range(40):  # NOTE: its record of its own trees fades, and with it what sets it apart from the others
         policy.observe(0, None, [])
     assert policy.offer(500).accepted[fifteen] > 5

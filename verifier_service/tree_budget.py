@@ -150,7 +150,9 @@ class AdaptiveBudget:
     What a budget accepts comes from the session's own steps, and until it has verified one of that size, from
     `shared`, the record of all the service's sessions (so a new session does not pay to explore what the others
     know), or, before any session has, from hope (every node accepted). A record weighs less the longer it goes
-    unverified (by `age_decay` a step) against what the service's sessions accept (weight `hope`): where the others'
+    unverified (by `age_decay` a step) against what the service's sessions accept (weight `hope` over the sessions
+    of the batch: a session stepping alone wrote that record itself, over its earlier generations, and one of 64
+    mostly did not; budget_simulation.md, texts that repeat on random steps): where the others'
     drafts pay, a session whose first drafts failed (a model seldom repeats itself from its first token) comes back
     within a few steps; where nobody's do, the planner's probes bring it back. The service's record counts for as
     much as the session's trees have kept up with it where both have records (`relative`). Its tree is taken at its
@@ -167,7 +169,7 @@ class AdaptiveBudget:
     time (all its sessions' explorations together)."""
 
     def __init__(self, max_budget: int, costs: StepCosts, shared: ServiceRecord, explore_share: float = 0.02,
-                 decay: float = 0.8, age_decay: float = 0.8, hope: float = 0.01):
+                 decay: float = 0.8, age_decay: float = 0.8, hope: float = 3.0):
         self.max_budget, self.costs, self.shared = max_budget, costs, shared
         self.explore_share, self.age_decay, self.hope = explore_share, age_decay, hope
         self.candidates = candidate_budgets(max_budget)
@@ -207,7 +209,17 @@ class AdaptiveBudget:
             return 1.0
         budget, ratio = own
         weight = self.own.weight(budget) * self.age_decay ** (self.steps - self.verified_at[budget])
-        return (weight * ratio + self.hope * self.shared.usual_ratio()) / (weight + self.hope)
+        hope = self.service_weight()
+        return (weight * ratio + hope * self.shared.usual_ratio()) / (weight + hope)
+
+    def service_weight(self) -> float:
+        """What the service's record weighs against the session's own, in its steps: `hope` when the session steps
+        alone, less the more sessions write that record beside it. Alone, a weight of 0.01 let one failed draft
+        (or three) stop its drafts for tens of steps on text whose repeats fall on random steps (budget_simulation.md,
+        one session: 0.47-0.68x the best fixed budget for 6-node chains on one step in 2, now 0.57-0.87x; 13-node
+        chains on one step in 3 from 0.26-0.50x to 0.26-0.84x); 3 in batches too cost the batches in which one
+        session in 8 loops (1.31x -> 1.03x in batches of 64), 3 over the batch's sessions nothing there."""
+        return self.hope / max(1, self.costs.batch.sessions)
 
     def own_ratio(self) -> tuple[int, float] | None:
         """(budget, ratio): what this session's trees accepted over the service's record, at the smallest budget
@@ -233,8 +245,9 @@ class AdaptiveBudget:
             return float(budget), float(budget)
         weight *= self.age_decay ** age
         usual = relative * self.shared.mean(budget)[0] if budget in self.shared else budget
-        return ((weight * record[0] + self.hope * usual) / (weight + self.hope),
-                (weight * record[1] + self.hope * budget) / (weight + self.hope))
+        hope = self.service_weight()
+        return ((weight * record[0] + hope * usual) / (weight + hope),
+                (weight * record[1] + hope * budget) / (weight + hope))
 
     def _exploration_due(self, context: int) -> bool:
         """Whether enough steps have passed since the last one at the maximum that one more spends at most
