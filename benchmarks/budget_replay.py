@@ -45,7 +45,7 @@ class RecordedText:
     def of_session(self, session: int) -> RecordedText:
         return self
 
-    def lucky(self, made: int, session: int) -> bool:
+    def lucky(self, made: int, session: int, generation: int) -> bool:
         return True  # NOTE: the text alone decides what a draft accepts
 
     def tree(self, budget: int, made: int, lucky: bool) -> DraftTree:

@@ -104,10 +104,10 @@ class Workload:
         kind += ", on random steps" if self.scattered else ""
         return kind + (f"; 1 session in {self.looping} loops" if self.looping else "")
 
-    def lucky(self, made: int, session: int) -> bool:
-        """Whether a step `made` tokens into the session's generation may accept (`path`)."""
-        if self.scattered:
-            return random.Random(made * 7919 + session).random() < 1 / self.every
+    def lucky(self, made: int, session: int, generation: int = 0) -> bool:
+        """Whether a step `made` tokens into the session's `generation`-th generation may accept (`path`)."""
+        if self.scattered:  # NOTE: each generation its own text: other places repeat
+            return random.Random((generation * 65537 + made) * 7919 + session).random() < 1 / self.every
         return (made + session) % self.every == 0
 
     def of_session(self, session: int) -> Workload:
@@ -190,7 +190,7 @@ def tokens_per_s(new_policy: Callable[[StepCosts], BudgetPolicy], sessions: int,
                     emit(i, 1)
             continue
         texts = [workload.of_session(i) for i in range(sessions)]
-        lucky = [texts[i].lucky(made[i], i) for i in range(sessions)]
+        lucky = [texts[i].lucky(made[i], i, finished[i]) for i in range(sessions)]
         trees = [texts[i].tree(budget, made[i], lucky[i]) if budget else DraftTree.empty()
                  for i, budget in enumerate(budgets)]
         batch = BatchShape(sessions, sum(len(tree) + 1 for tree in trees))

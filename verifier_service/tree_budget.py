@@ -216,9 +216,9 @@ class AdaptiveBudget:
         """What the service's record weighs against the session's own, in its steps: `hope` when the session steps
         alone, less the more sessions write that record beside it. Alone, a weight of 0.01 let one failed draft
         (or three) stop its drafts for tens of steps on text whose repeats fall on random steps (budget_simulation.md,
-        one session: 0.47-0.68x the best fixed budget for 6-node chains on one step in 2, now 0.57-0.87x; 13-node
-        chains on one step in 3 from 0.26-0.50x to 0.26-0.84x); 3 in batches too cost the batches in which one
-        session in 8 loops (1.31x -> 1.03x in batches of 64), 3 over the batch's sessions nothing there."""
+        one session, 13-node chains on one step in 3: 0.28-0.56x the best fixed budget, now 0.28-0.73x; 6-node chains
+        on one step in 2: 0.71-0.89x, now 0.72-0.89x); 3 in batches too cost the batches in which one session in 8
+        loops (1.31x -> 1.03x in batches of 64), 3 over the batch's sessions nothing there."""
         return self.hope / max(1, self.costs.batch.sessions)
 
     def own_ratio(self) -> tuple[int, float] | None:
