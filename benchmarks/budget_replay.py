@@ -2,8 +2,9 @@
 tokens, so their tokens per second differ only by the budgets they choose.
 
 Why: through the services on a GPU, greedy bf16 text from a random model changes with the budget (a verify of other
-row counts rounds otherwise and tips near-tied tokens), and with it what the drafter can hit; ten documents at 128k
-gave budgets 7..63 acceptances from 2.4 to 11.6 on the same document (long_context_adaptive_10docs_h100.md). Here
+row counts rounds otherwise and tips near-tied tokens), and with it what the drafter can hit: at 128k one document
+accepted 4.1 tokens a step at budget 15 and 11.6 at 31 and 63, another 2.6 at 63 against 4.2 at 15, which one text
+cannot do (long_context_adaptive_10docs_h100.md). Here
 each recorded text (`benchmarks/long_context.py --save-outputs`) is the truth every policy is walked against: a step
 drafts from the history (prompt and text so far) with the budget the policy chose, accepts the path of its tree that
 the text follows, and costs what the engine model says (budget_simulation.py's, fitted to the run's measured steps).
@@ -27,6 +28,7 @@ from drafter_service.ngram_drafter import MAX_DEPTH  # noqa: E402
 from drafter_service.ngram_index import NgramIndex  # noqa: E402
 from modeling.tiny import byte_level_tokenizer  # noqa: E402
 from modeling.tree import DraftTree  # noqa: E402
+from verifier_service.engine.acceptance import accept_path  # noqa: E402
 from verifier_service.tree_budget import FixedBudget  # noqa: E402
 
 PROMPT_TAIL = 4096  # the prompt tokens the history starts with (a random model seldom outputs their ids)
@@ -57,25 +59,17 @@ class RecordedText:
         return self.index.draft("text", budget, MAX_DEPTH)
 
     def path(self, tree: DraftTree, made: int, lucky: bool) -> list[int]:
-        """The accepted nodes: from the root, the first child whose token the text has next, while it has one."""
-        path: list[int] = []
-        for token in self.text[made:]:
-            parent = path[-1] if path else -1
-            child = next((i for i, (p, t) in enumerate(zip(tree.parents, tree.tokens)) if p == parent and t == token),
-                         None)
-            if child is None:
-                break
-            path.append(child)
-        return path
+        """The accepted nodes, walked as the engine walks them: the target's token after a node at depth d is the
+        text's token d places past the root's (-1, matching nothing, past the text's end)."""
+        following = [self.text[made + depth] if made + depth < len(self.text) else -1 for depth in (0, *tree.depths)]
+        return accept_path(tree, following)[0]
 
 
 def replay(prompt: list[int], text: list[int], engine: Engine, generations: int) -> dict[str, float]:
     """Tokens per simulated second of every fixed budget and the adaptive policy on one text."""
-    rates = {str(b): tokens_per_s(lambda _, b=b: FixedBudget(b), 1, RecordedText(prompt, text), engine,
-                                  tokens=len(text), generations=generations) for b in FIXED}
-    rates["adaptive"] = tokens_per_s(adaptive_sessions(max(FIXED)), 1, RecordedText(prompt, text), engine,
-                                     tokens=len(text), generations=generations)
-    return rates
+    policies = {str(b): lambda _, b=b: FixedBudget(b) for b in FIXED} | {"adaptive": adaptive_sessions(max(FIXED))}
+    return {name: tokens_per_s(policy, 1, RecordedText(prompt, text), engine, tokens=len(text),
+                               generations=generations) for name, policy in policies.items()}
 
 
 def main() -> None:
