@@ -65,6 +65,47 @@ def test_after_its_parent_is_forgotten_a_child_is_unreachable_until_indexed_agai
     assert cache.match(list(range(8)), max_pages=2) == [4, 2]
 
 
+def test_an_insert_resumed_where_the_last_stopped_keys_only_the_new_pages_and_indexes_as_a_full_one(monkeypatch):
+    tokens = tokens_of(50, seed=20)  # NOTE: 12 full pages, 2 positions of a thirteenth
+    resumed, full = PrefixCache(P), PrefixCache(P)
+    for cache in (resumed, full):
+        cache.insert(tokens[:8], [20, 21])  # NOTE: another sequence's, holding what its pages 0 and 1 do
+    built = []
+    keys = resumed._keys
+
+    def counting(*args):
+        made = keys(*args)
+        built.append(len(made))
+        return made
+
+    monkeypatch.setattr(resumed, "_keys", counting)
+    since = resumed.insert(tokens[:30], list(range(8)))
+    assert since == full.insert(tokens[:30], list(range(8)))
+    assert since.pages == 7 and [page for page, _ in since.borrowed] == [20, 21] and built == [7]
+    built.clear()
+    assert resumed.insert(tokens, list(range(13)), since) == full.insert(tokens, list(range(13)))
+    assert built == [5]  # NOTE: pages 7-11
+    assert (resumed._entry, resumed._page_of) == (full._entry, full._page_of)
+    assert resumed.match(tokens, 13) == [20, 21, *range(2, 12)]
+
+
+def test_an_insert_resumed_after_an_entry_it_borrowed_was_evicted_indexes_from_the_first_page():
+    """The sequence's own pages chain on another's entries; once one of them is evicted, resuming where the last
+    insert stopped would leave the new pages under an entry no match reaches: it indexes as a full insert does."""
+    tokens = tokens_of(24, seed=22)  # NOTE: 6 full pages
+    resumed, full = PrefixCache(P), PrefixCache(P)
+    for cache in (resumed, full):
+        cache.insert(tokens[:12], [20, 21, 22])
+    since = resumed.insert(tokens[:16], [0, 1, 2, 3])  # NOTE: pages 0-2 hold what 20-22 do: 3 chains on 22
+    full.insert(tokens[:16], [0, 1, 2, 3])
+    assert [page for page, _ in since.borrowed] == [20, 21, 22]
+    for cache in (resumed, full):
+        cache.forget(21)  # NOTE: one in the middle: the chain's last entry, and page 3's, are still indexed
+    assert resumed.insert(tokens, list(range(6)), since) == full.insert(tokens, list(range(6)))
+    assert (resumed._entry, resumed._page_of) == (full._entry, full._page_of)
+    assert resumed.match(tokens, 6) == [20, 1, 2, 3, 4, 5]
+
+
 # ---- the pool ------------------------------------------------------------------------------------------------
 
 
@@ -180,6 +221,46 @@ def test_the_pages_of_a_live_session_are_shared_and_both_stay_exact(engines) -> 
         cached.release_session(session.session_id)
     assert outputs == [generate(plain, prompt, params)[0], generate(plain, prompt + [3, 4, 5], params)[0]]
     assert cached.pool.num_free == cached.pool.num_pages
+
+
+def test_a_session_chained_on_pages_evicted_while_it_lived_is_found_whole_after_its_release(engines) -> None:
+    """Its prompt's logprobs make it compute every page itself: indexed after another session's with the same
+    tokens, its pages chain on that one's entries, which are evicted once nobody holds them."""
+    cached, _ = engines
+    prompt = tokens_of(40, seed=23)
+    generate(cached, prompt)
+    prefill = cached.begin_session(prompt, prompt_logprobs=0)
+    prefill.run(lambda: False, lambda done, total: None)
+    session = prefill.session
+    assert len(session.indexed.borrowed) == 2  # NOTE: its 2 full pages hold what the first session's did
+    cached.pool.release(cached.pool.allocate(cached.pool.num_free))  # NOTE: evicts every page nobody holds
+    cached.start_generation(session.session_id, SamplingParams(max_new_tokens=30, ignore_eos=True))
+    run_to_end(cached, session.session_id, lambda _: DraftTree.empty())
+    full = session.block_table.pages[:session.kv_len // 16]
+    cached.release_session(session.session_id)
+    assert len(full) == 4 and cached.prefix_cache.match(session.tokens, 4) == full
+
+
+def test_a_fork_and_its_source_are_found_whole_after_their_release_and_generate_the_same(engines) -> None:
+    """The fork starts from how far its source is indexed; the partial page they share is copied on write."""
+    cached, plain = engines
+    prompt = tokens_of(40, seed=24)  # NOTE: 2 full pages of 16, and a third that both write into
+    source, _ = cached.create_session(prompt)
+    fork = cached.fork_session(source.session_id)
+    assert fork.indexed == source.indexed and source.indexed.pages == 2
+    for session, seed in ((source, 1), (fork, 2)):
+        params = SamplingParams(temperature=1.0, seed=seed, max_new_tokens=30, ignore_eos=True)
+        cached.start_generation(session.session_id, params)
+        run_to_end(cached, session.session_id, lambda _: DraftTree.empty())
+    assert source.tokens[40:48] != fork.tokens[40:48]  # NOTE: their third pages differ
+    for session in (source, fork):
+        cached.release_session(session.session_id)
+    for session in (source, fork):
+        assert len(cached.prefix_cache.match(session.tokens[:-1], 5)) == 4
+    follow_up = fork.tokens + tokens_of(5, seed=25)
+    cached.prefilled.clear()
+    got, _ = generate(cached, follow_up)
+    assert cached.prefilled[0][0] == 64 and got == generate(plain, follow_up)[0]
 
 
 def test_a_new_session_through_a_one_token_start_and_an_appended_prompt_finds_the_cache(engines) -> None:

@@ -214,16 +214,21 @@ class Engine:
         self._index(session)
 
     def _index(self, session: Session) -> None:
-        """Offer the session's full pages to the prefix cache (those of its KV: `tokens[:-1]`)."""
+        """Offer the session's full pages to the prefix cache (those of its KV: `tokens[:-1]`), from where its last
+        index stopped."""
         if self.prefix_cache is not None:
-            self.prefix_cache.insert(session.tokens[:session.kv_len], session.block_table.pages)
+            # NOTE: its KV's full pages only (its last token is not in the KV): cheaper than copying up to 128k tokens
+            table = session.block_table
+            full = table.pages[:session.kv_len // table.page_size]
+            session.indexed = self.prefix_cache.insert(session.tokens, full, session.indexed)
 
     def fork_session(self, session_id: str, new_id: str | None = None) -> Session:
         """A new session sharing every page of the source copy-on-write."""
         source = self.session(session_id)
         new_id = new_id or secrets.token_hex(8)
         self._refuse_taken(new_id)
-        fork = Session(new_id, list(source.tokens), source.block_table.fork())
+        # NOTE: the source's pages are the fork's, so is how far they are indexed
+        fork = Session(new_id, list(source.tokens), source.block_table.fork(), indexed=source.indexed)
         self.sessions[new_id] = fork
         return fork
 

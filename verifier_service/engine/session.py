@@ -8,6 +8,7 @@ import torch
 
 from verifier_service.engine.block_table import BlockTable
 from verifier_service.engine.penalties import LogitAdjustment
+from verifier_service.engine.prefix_cache import Indexed
 from verifier_service.engine.sampling import SamplingParams
 from verifier_service.engine.stopping import StopChecker
 
@@ -30,6 +31,9 @@ class Session:
     block_table: BlockTable
     generation: Generation | None = None
     cached_tokens: int = 0  # positions of its latest prefill whose K/V came from the prefix cache
+    # NOTE: how far the prefix cache indexed its pages (Engine._index): the full pages of its KV never change while it
+    # lives (steps and prefills write from kv_len on, copies of shared pages included), so the next index resumes there
+    indexed: Indexed = Indexed()
 
     @property
     def kv_len(self) -> int:
