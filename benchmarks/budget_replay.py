@@ -9,19 +9,27 @@ each recorded text (`benchmarks/long_context.py --save-outputs`) is the truth ev
 drafts from the history (prompt and text so far) with the budget the policy chose, accepts the path of its tree that
 the text follows, and costs what the engine model says (budget_simulation.py's, fitted to the run's measured steps).
 
+`--git-edits REPO` takes real texts instead, which no CPU model writes: code edits from a git history, each prompted
+with the file's old version and written as its new one (what prompt-lookup drafting is for; the text repeats the
+prompt in runs, broken where the edit is), replayed by a lone session on each of budget_simulation's engines and by a
+batch of 16 sessions, one text each.
+
     python benchmarks/budget_replay.py OUTPUTS.json [--verify-ms 13.5] [--row-us 13] [--round-ms 1.4]
+    python benchmarks/budget_replay.py --git-edits REPO [--rev HEAD] [--edits 24] [--tokens 512]
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import statistics
+import subprocess
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from budget_simulation import FIXED, Engine, adaptive_sessions, tokens_per_s  # noqa: E402
+from budget_simulation import ENGINES, FIXED, Engine, adaptive_sessions, tokens_per_s  # noqa: E402
 from throughput import prompts  # noqa: E402
 
 from drafter_service.ngram_drafter import MAX_DEPTH  # noqa: E402
@@ -32,6 +40,8 @@ from verifier_service.engine.acceptance import accept_path  # noqa: E402
 from verifier_service.tree_budget import FixedBudget  # noqa: E402
 
 PROMPT_TAIL = 4096  # the prompt tokens the history starts with (a random model seldom outputs their ids)
+EDIT_LEAD = 200  # the characters of an edited file's new version before its first change that its text starts with
+BATCH = 16  # the sessions of an edits replay's batch, one text each
 
 
 class RecordedText:
@@ -43,9 +53,6 @@ class RecordedText:
         self.prompt, self.text = prompt, text
         self.index = NgramIndex()
         self.made = -1  # the tokens of the text in the index's history (-1: not opened)
-
-    def of_session(self, session: int) -> RecordedText:
-        return self
 
     def lucky(self, made: int, session: int, generation: int) -> bool:
         return True  # NOTE: the text alone decides what a draft accepts
@@ -65,23 +72,79 @@ class RecordedText:
         return accept_path(tree, following)[0]
 
 
-def replay(prompt: list[int], text: list[int], engine: Engine, generations: int) -> dict[str, float]:
-    """Tokens per simulated second of every fixed budget and the adaptive policy on one text."""
+class RecordedTexts:
+    """One recorded text per session (as budget_simulation's Workload tells each session's)."""
+
+    def __init__(self, texts: list[tuple[list[int], list[int]]]):
+        self.texts = [RecordedText(prompt, text) for prompt, text in texts]
+
+    def of_session(self, session: int) -> RecordedText:
+        return self.texts[session]
+
+
+def replay(texts: list[tuple[list[int], list[int]]], engine: Engine, generations: int,
+           tokens: int | None = None) -> dict[str, float]:
+    """Tokens per simulated second of every fixed budget and the adaptive policy, one session per (prompt, text),
+    each writing `tokens` of its text (all of the shortest one by default) per generation."""
+    tokens = tokens or min(len(text) for _, text in texts)
     policies = {str(b): lambda _, b=b: FixedBudget(b) for b in FIXED} | {"adaptive": adaptive_sessions(max(FIXED))}
-    return {name: tokens_per_s(policy, 1, RecordedText(prompt, text), engine, tokens=len(text),
+    return {name: tokens_per_s(policy, len(texts), RecordedTexts(texts), engine, tokens=tokens,
                                generations=generations) for name, policy in policies.items()}
+
+
+def edit_texts(repo: Path, rev: str, count: int, tokens: int) -> list[dict]:
+    """Up to `count` code edits from the commits of `repo` up to `rev`, newest first: per commit, its first changed
+    .py or .md file whose new version holds `tokens` tokens from EDIT_LEAD characters before its first change.
+    The prompt is the old version (its last PROMPT_TAIL tokens), the text the new one from there."""
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True, errors="replace",
+                              check=True).stdout
+
+    tokenizer, edits = byte_level_tokenizer(), []
+    for commit in git("rev-list", "--no-merges", rev).split():
+        changed = git("diff-tree", "--no-commit-id", "--name-only", "--diff-filter=M", "-r", commit).split()
+        for path in (p for p in changed if p.endswith((".py", ".md"))):
+            old, new = git("show", f"{commit}^:{path}"), git("show", f"{commit}:{path}")
+            first = next((i for i, (a, b) in enumerate(zip(old, new)) if a != b), min(len(old), len(new)))
+            text = tokenizer.encode(new[max(0, first - EDIT_LEAD):]).ids[:tokens]
+            if len(text) == tokens:
+                edits.append({"commit": commit[:12], "path": path, "prompt": tokenizer.encode(old).ids[-PROMPT_TAIL:],
+                              "text": text})
+                break
+        if len(edits) == count:
+            break
+    return edits
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
-    parser.add_argument("outputs", type=Path, help="long_context_SHAPE_outputs.json (long_context.py --save-outputs)")
+    parser.add_argument("outputs", type=Path, nargs="?",
+                        help="long_context_SHAPE_outputs.json (long_context.py --save-outputs)")
     parser.add_argument("--verify-ms", type=float, default=13.5, help="a verify step's fixed part")
     parser.add_argument("--row-us", type=float, default=13.0, help="a verify step's cost per row (tree node or root)")
     parser.add_argument("--round-ms", type=float, default=1.4, help="a drafting step's draft round trip")
+    parser.add_argument("--git-edits", type=Path, metavar="REPO", help="replay code edits from this git repository "
+                        "instead of recorded outputs, on every engine of budget_simulation.py")
+    parser.add_argument("--rev", default="HEAD", help="--git-edits: the newest commit to take edits from")
+    parser.add_argument("--edits", type=int, default=24, help="--git-edits: how many (one per commit)")
+    parser.add_argument("--tokens", type=int, default=512, help="--git-edits: the tokens of each text")
     parser.add_argument("--generations", type=int, default=2, help="generations of each text back to back (the "
                         "second starts with the service's record of what the budgets accepted)")
     parser.add_argument("--out-dir", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()
+    if (args.outputs is None) == (args.git_edits is None):
+        parser.error("give either OUTPUTS.json or --git-edits REPO")
+    command = " ".join(["python benchmarks/budget_replay.py", *sys.argv[1:]])
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    if args.git_edits is not None:
+        replay_edits(args, command)
+    else:
+        replay_recorded(args, command)
+
+
+def replay_recorded(args: argparse.Namespace, command: str) -> None:
+    """Every recorded speculative run's text, replayed by a lone session on the flat cost line of the arguments."""
     recorded = json.loads(args.outputs.read_text())
     engine = Engine(fixed=args.verify_ms / 1e3, per_session=0.0, per_tree=0.0, per_row=args.row_us / 1e6,
                     round_s=args.round_ms / 1e3, round_per_draft=0.0, call_s=0.0, burst=1)
@@ -92,17 +155,61 @@ def main() -> None:
             continue
         text = prompts(1, output["context"], output["document"] - 1)[0][:output["context"]]
         prompt = tokenizer.encode(text).ids[-PROMPT_TAIL:]
-        rates = replay(prompt, output["token_ids"][0], engine, args.generations)
+        rates = replay([(prompt, output["token_ids"][0])], engine, args.generations)
         rows.append({key: output[key] for key in ("context", "document", "budget", "run")} | {"rates": rates})
         print(json.dumps(rows[-1]), flush=True)
-    command = " ".join(["python benchmarks/budget_replay.py", *sys.argv[1:]])
     stem = args.outputs.name.removesuffix("_outputs.json").replace("long_context", "budget_replay")
-    args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / f"{stem}.json").write_text(json.dumps({"command": command, "source": recorded.get("command"),
                                                            "rows": rows}, indent=1) + "\n")
     costs = (f"a step {args.verify_ms} ms, {args.row_us} us more a row (tree node or root), {args.round_ms} ms more "
              f"when it drafts; {args.generations} generations of each text back to back")
     (args.out_dir / f"{stem}.md").write_text(markdown(command, recorded.get("command"), costs, rows))
+
+
+def replay_edits(args: argparse.Namespace, command: str) -> None:
+    """Each edit replayed by a lone session, and the first BATCH together, on every engine."""
+    rev = subprocess.run(["git", "-C", str(args.git_edits), "rev-parse", args.rev], capture_output=True, text=True,
+                         check=True).stdout.strip()
+    edits = edit_texts(args.git_edits, rev, args.edits, args.tokens)
+    texts = [(edit["prompt"], edit["text"]) for edit in edits]
+    batch = texts[:BATCH]
+    rows = []
+    for name, engine in ENGINES.items():
+        alone = [replay([text], engine, args.generations) for text in texts]
+        together = replay(batch, engine, args.generations)
+        rows.append({"engine": name, "alone": alone, "batch": together, "batch_sessions": len(batch)})
+        print(json.dumps({"engine": name, "batch": together}), flush=True)
+    sources = [{"commit": edit["commit"], "path": edit["path"]} for edit in edits]
+    (args.out_dir / "budget_replay_edits.json").write_text(json.dumps(
+        {"command": command, "rev": rev, "edits": sources, "rows": rows}, indent=1) + "\n")
+    (args.out_dir / "budget_replay_edits.md").write_text(edits_markdown(command, rev, len(edits), args, rows))
+
+
+def vs_best(rates: dict[str, float]) -> float:
+    """The adaptive policy's rate over the best fixed budget's."""
+    return rates["adaptive"] / max(rates[str(b)] for b in FIXED)
+
+
+def edits_markdown(command: str, rev: str, count: int, args: argparse.Namespace, rows: list[dict]) -> str:
+    lines = ["# Budget policies replayed on code edits", "", f"Command: `{command}`", "",
+             f"Texts: {count} edits from the history of `{args.git_edits.resolve().name}` up to {rev[:12]} (one per "
+             f"commit: the first changed .py or .md file's new version from {EDIT_LEAD} characters before its first "
+             f"change, {args.tokens} byte-level tokens, prompted with its old version); {args.generations} "
+             "generations of each back to back; engines and costs: budget_simulation.py's.", "",
+             "Alone: each text by a lone session; adaptive / the best fixed budget on that text (median, min, texts "
+             "below 0.95), and the budget that was best most often. Together: the first "
+             f"{rows[0]['batch_sessions']} texts in one batch, tokens per simulated second.", "",
+             "| engine | alone: median | min | below 0.95 | best fixed most often | together: "
+             + " | ".join(f"fixed {b}" for b in FIXED) + " | adaptive | vs best |", "|---" * (7 + len(FIXED)) + "|"]
+    for row in rows:
+        ratios = [vs_best(rates) for rates in row["alone"]]
+        best = collections.Counter(max(FIXED, key=lambda b: rates[str(b)]) for rates in row["alone"])
+        together = row["batch"]
+        lines.append(f"| {row['engine']} | {statistics.median(ratios):.2f} | {min(ratios):.2f} | "
+                     f"{sum(r < 0.95 for r in ratios)} / {len(ratios)} | {best.most_common(1)[0][0]} | "
+                     + " | ".join(f"{together[str(b)]:.0f}" for b in FIXED)
+                     + f" | {together['adaptive']:.0f} | {vs_best(together):.2f} |")
+    return "\n".join(lines) + "\n"
 
 
 def markdown(command: str, source: str | None, costs: str, rows: list[dict]) -> str:
@@ -115,11 +222,10 @@ def markdown(command: str, source: str | None, costs: str, rows: list[dict]) -> 
              + " | vs best |", "|---" * (4 + len(names)) + "|"]
     for row in rows:
         rates = row["rates"]
-        best = max(rates[str(b)] for b in FIXED)
         lines.append(f"| {row['document']} | {row['budget']} | {row['run']} | "
-                     + " | ".join(f"{rates[n]:.1f}" for n in names) + f" | {rates['adaptive'] / best:.2f} |")
+                     + " | ".join(f"{rates[n]:.1f}" for n in names) + f" | {vs_best(rates):.2f} |")
     medians = {n: statistics.median(row["rates"][n] for row in rows) for n in names}
-    ratios = [row["rates"]["adaptive"] / max(row["rates"][str(b)] for b in FIXED) for row in rows]
+    ratios = [vs_best(row["rates"]) for row in rows]
     lines += ["", "Medians over the texts: " + ", ".join(f"{n} {medians[n]:.1f}" for n in names)
               + f"; adaptive / best fixed, per text: median {statistics.median(ratios):.2f}, "
               f"min {min(ratios):.2f}.", ""]

@@ -197,14 +197,26 @@ def test_ngram_drafter_smoke_run_writes_its_table(tmp_path: Path) -> None:
 
 
 def test_budget_simulation_smoke_run_writes_its_table(tmp_path: Path) -> None:
-    run_benchmark("budget_simulation.py", "--sessions", "1", "--out-dir", str(tmp_path))
-    rows = json.loads((tmp_path / "budget_simulation.json").read_text())["rows"]
+    run_benchmark("budget_simulation.py", "--sessions", "1", "--seeds", "2", "--out-dir", str(tmp_path))
+    result = json.loads((tmp_path / "budget_simulation.json").read_text())
+    rows = result["rows"]
     # NOTE: 14 texts on 5 batch engines at --sessions, and on the long-context one at 1 and 4 sessions
     assert len(rows) == 5 * 14 + 2 * 14 and all(r["adaptive"] > 0 and r["vs_best"] > 0 for r in rows)
     assert {r["every"] for r in rows} == {1, 2, 3, 8, 20, 33}  # drafts that pay on some steps, or seldom
     assert sum(1 for r in rows if "random steps" in r["trees"]) == 2 * 7
     assert sum(1 for r in rows if "loops" in r["trees"]) == 2 * 7
     assert {r["sessions"] for r in rows if r["engine"] == "long-context"} == {1, 4}
+    drawn = result["random_steps_alone"]  # NOTE: the two texts on random steps, on all six engines, 2 draws each
+    assert len(drawn) == 2 * 6 and all(len(r["vs_best"]) == 2 and min(r["vs_best"]) > 0 for r in drawn)
+    assert any(r["vs_best"][0] != r["vs_best"][1] for r in drawn)  # NOTE: other draws, other steps
+
+
+def test_texts_on_random_steps_repeat_elsewhere_with_another_seed() -> None:
+    from benchmarks.budget_simulation import Workload
+
+    first, second = Workload(6, every=2, scattered=True), Workload(6, every=2, scattered=True, seed=1)
+    steps = [[workload.lucky(made, 0) for made in range(200)] for workload in (first, second)]
+    assert steps[0] != steps[1] and all(60 < sum(lucky) < 140 for lucky in steps)
 
 
 def test_plan_cost_smoke_run_holds_plans_without_changing_the_probes(tmp_path: Path) -> None:
@@ -323,6 +335,51 @@ def test_budget_replay_walks_every_policy_over_the_recorded_text(tmp_path: Path)
     rates = row["rates"]
     assert rates["0"] < rates["7"] < rates["15"] and rates["adaptive"] > rates["0"]
     assert "`recorded`" in (tmp_path / "budget_replay_tiny.md").read_text()
+
+
+def edited_repository(path: Path) -> str:
+    """A git repository of two commits: a module, then the same module with one line changed 600 characters in.
+    Returns the old and new versions' text joined by a NUL."""
+    old = "".join(f"def function_{i}(value: int) -> int:\n    return value * {i} + {i % 7}\n\n\n" for i in range(40))
+    new = old[:600] + "# NOTE: an edit\n" + old[600:]
+
+    def git(*args: str) -> None:
+        subprocess.run(["git", "-C", str(path), "-c", "user.name=t", "-c", "user.email=t@t", *args], check=True,
+                       capture_output=True)
+
+    path.mkdir()
+    git("init", "-q")
+    for version in (old, new):
+        (path / "module.py").write_text(version)
+        git("add", "module.py")
+        git("commit", "-q", "-m", "a version")
+    return old + "\0" + new
+
+
+def test_code_edits_are_prompted_by_the_old_version_and_start_before_the_change(monkeypatch, tmp_path: Path) -> None:
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from benchmarks.budget_replay import EDIT_LEAD, edit_texts
+    from modeling.tiny import byte_level_tokenizer
+
+    old, new = edited_repository(tmp_path / "repo").split("\0")
+    (edit,) = edit_texts(tmp_path / "repo", "HEAD", 5, 100)  # NOTE: the first commit changes no file, it adds one
+    tokenizer = byte_level_tokenizer()
+    assert edit["path"] == "module.py" and edit["prompt"] == tokenizer.encode(old).ids
+    assert edit["text"] == tokenizer.encode(new[600 - EDIT_LEAD:]).ids[:100]
+    assert edit_texts(tmp_path / "repo", "HEAD", 5, 10_000) == []  # NOTE: shorter than asked: left out
+
+
+def test_budget_replay_of_code_edits_runs_every_engine_alone_and_together(tmp_path: Path) -> None:
+    """The edit repeats its prompt but for one line: drafting beats plain decoding alone on every engine."""
+    edited_repository(tmp_path / "repo")
+    run_benchmark("budget_replay.py", "--git-edits", str(tmp_path / "repo"), "--tokens", "256", "--out-dir",
+                  str(tmp_path))
+    result = json.loads((tmp_path / "budget_replay_edits.json").read_text())
+    assert [edit["path"] for edit in result["edits"]] == ["module.py"] and len(result["rows"]) == 6
+    for row in result["rows"]:
+        (alone,) = row["alone"]
+        assert row["batch_sessions"] == 1 and max(alone[b] for b in ("7", "15", "31", "63")) > alone["0"]
+    assert "| long-context |" in (tmp_path / "budget_replay_edits.md").read_text()
 
 
 def test_a_recorded_text_accepts_the_path_it_follows(monkeypatch) -> None:

@@ -38,7 +38,7 @@ from proto import common_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 from tests.engine_helpers import GREEDY, make_engine, plain_generate
 from tests.stack_helpers import greedy_reference, verifier_metric
 from verifier_service import service as service_module
-from verifier_service.budget_planner import HOLD_PASSES, PROBE_SLOWEST, BudgetPlanner
+from verifier_service.budget_planner import HOLD_PASSES, PROBE_GROWTH, PROBE_SLOWEST, BudgetPlanner
 from verifier_service.drafter_pool import DrafterPool
 from verifier_service.engine.acceptance import accept_path
 from verifier_service.metrics import VerifierMetrics
@@ -298,17 +298,23 @@ def test_a_batch_that_only_ever_stepped_without_trees_still_tries_one() -> None:
 
 
 def test_a_text_that_never_repeats_is_probed_within_its_share_and_drafts_return_when_it_does() -> None:
-    """Nothing accepted: budget 0 wins, and the session is probed at a small budget, soon at first and then no
-    more often than keeps the probes' cost within the planner's share; once the text turns predictable, the next
-    probe finds it and the session climbs to the maximum."""
+    """Nothing accepted: budget 0 wins, and the session is probed, soon at first and then no more often than keeps
+    the probes' cost within the planner's share, at the largest budget that costs at most PROBE_GROWTH times a
+    3-node probe (a lone session's probe is mostly its draft round); once the text turns predictable, the next probe
+    finds it and the session climbs to the maximum."""
     costs = StepCosts()
     policy = adaptive(costs)
     chosen = simulate(policy, costs, lambda _: 0, 400)
     drafted = [i for i, budget in enumerate(chosen) if budget]
-    assert set(chosen[1:]) == {0, 3} and drafted[1] < 10  # the first probe comes soon
-    probe_s = costs.draft.estimate(3, 500) + verify_s(4) - verify_s(1)
+
+    def probe_s(budget: int) -> float:
+        return costs.draft.estimate(budget, 500) + verify_s(1 + budget) - verify_s(1)
+
+    assert probe_s(15) <= PROBE_GROWTH * probe_s(3) < probe_s(31)
+    assert set(chosen[1:]) == {0, 15} and drafted[1] < 10  # the first probe comes soon
     late = [i for i in drafted if i >= 200]
-    assert len(late) * probe_s <= 0.035 * 200 * verify_s(1)  # later, within the share (3%)
+    # NOTE: later, as often as 3-node probes within the share (3%) would be
+    assert len(late) * probe_s(3) <= 0.035 * 200 * verify_s(1)
     later = simulate(policy, costs, lambda _: MAX, 40)
     first = next(i for i, budget in enumerate(later) if budget)
     assert first < 12 and later[-5:] == [MAX] * 5
@@ -488,17 +494,40 @@ def test_a_drafting_passs_own_host_work_weighs_against_its_drafts() -> None:
 def test_idle_sessions_are_probed_together_within_the_share() -> None:
     """Sessions whose records say their drafts fail are probed all in one pass (one draft round for all), the first
     probe soon, later ones at intervals that keep the probes under 3% of the batch's time, and after a long run of
-    vain probes under a quarter of that (PROBE_SLOWEST)."""
+    vain probes under a quarter of that (PROBE_SLOWEST), counted at 3 nodes a probe; the probes are of 7 nodes, the
+    largest that cost at most PROBE_GROWTH times 3 (the 5 ms round is most of a probe's cost)."""
     costs = measured_costs()
     planner = BudgetPlanner(costs)
     offers = [offer(0, idle=10) for _ in range(8)] + [offer(0, idle=2)]  # NOTE: the last one just failed
     plans = [planner.plan(offers, 500) for _ in range(400)]
     probes = [i for i, plan in enumerate(plans) if any(plan)]
-    assert all(plans[i] == [3] * 8 + [0] for i in probes) and probes[0] < 5
-    late = [i for i in probes if i >= 200]
     step_s = costs.verify.estimate(9, 500)
-    probe_s = 0.005 + costs.verify.estimate(9 + 8 * 3, 500) - step_s
+
+    def probe_of(budget: int) -> float:
+        return 0.005 + costs.verify.estimate(9 + 8 * budget, 500) - step_s
+
+    assert probe_of(7) <= PROBE_GROWTH * probe_of(3) < probe_of(15)
+    assert all(plans[i] == [7] * 8 + [0] for i in probes) and probes[0] < 5
+    late = [i for i in probes if i >= 200]
+    probe_s = probe_of(3)
     assert 0 < len(late) * probe_s <= 0.03 / PROBE_SLOWEST * 200 * step_s + probe_s
+
+
+def test_a_probe_reaches_at_most_twice_the_largest_verify_measured() -> None:
+    """Past the largest verify measured, the cost model prices a step at that one's time (so that larger batches get
+    tried at all), where a probe of any size would look as cheap as one of 3: each probe goes at most twice as far
+    in rows as has been measured, the next one further once it has been."""
+    costs = StepCosts()
+    costs.observe_batch(BatchShape(4, 4), 500, 0.010)
+    costs.observe_draft(3, 500, 0.002)
+    planner, offers, probes = BudgetPlanner(costs), [offer(0, idle=10) for _ in range(4)], []
+    for _ in range(2000):
+        budgets = planner.plan(offers, 500)
+        rows = 4 + sum(budgets)
+        costs.observe_batch(BatchShape(4, rows), 500, 0.010 + 1e-5 * rows)  # NOTE: rows nearly free
+        if any(budgets):
+            probes.append(budgets[0])
+    assert probes[:5] == [3, 7, 15, 31, 63]
 
 
 def test_a_plan_in_which_nobody_drafts_holds_a_few_passes_of_the_same_sessions() -> None:
@@ -549,7 +578,7 @@ def test_a_plan_made_ahead_is_kept_only_when_nobody_drafts_in_it() -> None:
         if any(planned.plan(offers, 500, sessions=names)):
             before = state(planner)
             assert not planner.plan_plain(offers, 500, sessions=names) and state(planner) == before
-            assert planner.plan(offers, 500, sessions=names) == [3] * 8
+            assert planner.plan(offers, 500, sessions=names) == [7] * 8
             undone += 1
         else:
             assert planner.plan_plain(offers, 500, sessions=names)

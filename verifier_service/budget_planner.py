@@ -18,6 +18,9 @@ from verifier_service.tree_budget import Offer
 ROW_PRICES = np.array([*(0.01 * 2 ** (k / 2) for k in reversed(range(16))), 0.0])
 # NOTE: a probe's tree: enough nodes to find a text that repeats, few enough that a batch of failed probes costs little
 PROBE_BUDGET = 3
+# NOTE: ... or a larger tree where it costs at most this many times as much (its round and the pass's host work are
+# most of a lone session's probe): one probe then tells what every budget up to it would have accepted
+PROBE_GROWTH = 2.0
 # NOTE: a session that has not drafted for this many of its steps is probed with the others: a shorter wait probes
 # sessions whose drafts have just failed, which their records already tell
 PROBE_IDLE_STEPS = 4
@@ -53,11 +56,11 @@ class BudgetPlanner:
     minus the price of its tree. The draft round costs what its largest draft does, once, if anyone drafts at all,
     and the loop's own work for the pass as measured for drafting passes (for plain ones, a burst's share).
 
-    Sessions that do not draft (their records say their drafts fail) are probed together at a small budget, as
-    often as keeps the probes under `probe_share` of the batch's time: a text that did not repeat may start to, and
-    a probe that finds it lets the session climb (a path that runs into the edge of its tree tries the next size
-    up, which it has in the next pass that drafts at all, or once most of them ask). Probing them together pays one
-    draft round for all."""
+    Sessions that do not draft (their records say their drafts fail) are probed together at a small budget (or a
+    larger one that costs little more), as often as keeps the probes under `probe_share` of the batch's time: a
+    text that did not repeat may start to, and a probe that finds it lets the session climb (a path that runs into
+    the edge of its tree tries the next size up, which it has in the next pass that drafts at all, or once most of
+    them ask). Probing them together pays one draft round for all."""
 
     def __init__(self, costs: StepCosts, probe_share: float = 0.03):
         self.costs, self.probe_share = costs, probe_share
@@ -128,9 +131,9 @@ class BudgetPlanner:
         for i, chosen in zip(free, choice):
             budgets[i] = candidates[chosen]
         idle = [i for i in free if budgets[i] == 0 and offers[i].idle >= PROBE_IDLE_STEPS]
-        probe = min(PROBE_BUDGET, candidates[-1])
+        probe, interval = self._probe(pass_, choice, idle, candidates)
         backoff = min(PROBE_SLOWEST, 2.0 ** (self.vain_probes - PROBE_BACKOFF))
-        wait = backoff * self._probe_interval(pass_, choice, idle, probe)
+        wait = backoff * interval
         self.probe_wait = wait if idle and probe else 0.0
         if idle and probe and self.since_probe >= wait:
             for i in idle:
@@ -144,11 +147,31 @@ class BudgetPlanner:
                 budgets[i] = max(budgets[i], offers[i].wanted)
         return budgets
 
-    def _probe_interval(self, pass_: _Pass, choice: np.ndarray, idle: list[int], probe: int) -> float:
-        """The passes from one probe of the `idle` sessions at budget `probe` to the next that keep the probes under
-        `probe_share` of the batch's time, the pass planned as `choice`."""
-        if not idle:
-            return 0.0
+    def _probe(self, pass_: _Pass, choice: np.ndarray, idle: list[int],
+               candidates: tuple[int, ...]) -> tuple[int, float]:
+        """(budget, interval) of the `idle` sessions' probes: PROBE_BUDGET nodes, or the largest candidate whose
+        probe costs at most PROBE_GROWTH times as much; the passes from one probe to the next that keep probes of
+        PROBE_BUDGET nodes under `probe_share` of the batch's time, the pass planned as `choice` (a larger probe
+        comes as often: sized by its price, it tells every budget up to it at little more cost; budget_replay_edits.md,
+        a lone session of a 0.6B model, whose probes of 3 told little of the trees of 63 that paid: 0.53 -> 0.76x the
+        best fixed budget)."""
+        smallest = min(PROBE_BUDGET, candidates[-1])
+        if not idle or not smallest:
+            return smallest, 0.0
+        step, least = self._probe_cost(pass_, choice, idle, smallest)
+        probe = smallest
+        rows, largest = float(pass_.rows(choice)), self.costs.verify.largest(pass_.context)
+        for budget in (b for b in candidates if b > smallest):
+            cost = self._probe_cost(pass_, choice, idle, budget)[1]
+            # NOTE: past the largest size verified the verify's estimate is a guess (CostModel.estimate's optimism):
+            # a probe reaches at most twice as far, and the next one past that once it has been measured
+            if cost > PROBE_GROWTH * least or rows + len(idle) * budget > 2 * largest:
+                break
+            probe = budget
+        return probe, least / (self.probe_share * step)
+
+    def _probe_cost(self, pass_: _Pass, choice: np.ndarray, idle: list[int], probe: int) -> tuple[float, float]:
+        """(seconds of the pass planned as `choice`, seconds a probe of the `idle` sessions at `probe` adds)."""
         draft_s, rows = float(pass_.draft_s(choice)), float(pass_.rows(choice))
         verify, context = self.costs.verify, pass_.context
         host_s = pass_.host_s(pass_.drafting(choice))
@@ -156,7 +179,7 @@ class BudgetPlanner:
         extra = (max(draft_s, self.costs.draft.estimate(probe, context)) - draft_s
                  + verify.estimate(rows + len(idle) * probe, context) - verify.estimate(rows, context)
                  + pass_.host_s(True) - host_s)
-        return extra / (self.probe_share * step)
+        return step, extra
 
 
 class _Pass:

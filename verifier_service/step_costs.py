@@ -78,6 +78,11 @@ class CostModel:
         """Whether a size of `size`'s bucket was measured at `context`'s bucket."""
         return bucket(size) in self.rows.get(bucket(context), ())
 
+    def largest(self, context: int) -> float:
+        """The largest size measured at `context` (or the nearest measured context; 0 before any): past it an
+        estimate is a guess (the optimism of `estimate`)."""
+        return self._line(bucket(context))[0][-1] if self.rows else 0.0
+
     def estimate(self, size: float, context: int) -> float:
         """Seconds of a part of `size` at `context` (how: the class's docstring)."""
         if not self.rows:
