@@ -151,7 +151,8 @@ def tokens_per_s(new_policy: Callable[[StepCosts], BudgetPolicy], sessions: int,
     """Every session runs `generations` generations of `tokens` tokens back to back (a new policy each, as a
     one-shot request gets; the first generations are shorter, so that the sessions' generations start at different
     passes, as requests arrive); all sessions step together, in passes as the step loop runs them: the tree step, then
-    with `engine.burst` > 1 a burst of plain steps when no draft was accepted. Tokens per simulated second."""
+    with `engine.burst` > 1 a burst of plain steps when no draft was accepted and a session past its first step
+    stepped plainly. Tokens per simulated second."""
     costs = StepCosts()
     planner = BudgetPlanner(costs)
     policies = [new_policy(costs) for _ in range(sessions)]
@@ -210,7 +211,9 @@ def tokens_per_s(new_policy: Callable[[StepCosts], BudgetPolicy], sessions: int,
             accepted_any |= bool(path)
             policy.observe(budget, tree, path)
             emit(i, 1 + len(path))
-        if engine.burst > 1 and not accepted_any and not all(budgets):  # NOTE: the rest of the pass, one call
+        # NOTE: the rest of the pass in one call, where a session stepped plainly (as in the loop, a generation's
+        # first step does not count: StepLoop._verify)
+        if engine.burst > 1 and not accepted_any and any(budgets[i] == 0 for i in stepping):
             elapsed += engine.call_s + (engine.burst - 1) * plain
             costs.observe_batch(BatchShape(sessions, sessions), CONTEXT, engine.call_s / (engine.burst - 1) + plain)
             for _ in range(engine.burst - 1):

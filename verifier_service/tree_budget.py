@@ -163,10 +163,10 @@ class AdaptiveBudget:
     and then as a quarter of one.
     Two ways up: a path that ran into the tree's edge (it ended at a leaf of a tree the budget had cut) drops the
     larger budgets' records that expect fewer nodes than it accepted, and asks for the next candidate up
-    (`Offer.wanted`), unless that one was verified lately, which the session gets in the next pass
-    that drafts at all (or once most of the batch asks); and after two paying steps in a row, the maximum is
-    verified again (its offer pins it) as often as keeps those explorations under `explore_share` of the batch's
-    time (all its sessions' explorations together)."""
+    (`Offer.wanted`), unless that one was verified lately, which the session gets in the next pass that drafts at
+    all (or once most of the batch asks); and after two paying steps in a row, the maximum is verified again (its
+    offer pins it). Both only as often as keeps those explorations under `explore_share` of the batch's time (all
+    its sessions' explorations together)."""
 
     def __init__(self, max_budget: int, costs: StepCosts, shared: ServiceRecord, explore_share: float = 0.02,
                  decay: float = 0.8, age_decay: float = 0.8, hope: float = 3.0):
@@ -186,12 +186,15 @@ class AdaptiveBudget:
 
     def offer(self, context: int) -> Offer:
         if (self.step_up is None and self.paying >= 2 and self.last_budget < self.max_budget
-                and self._exploration_due(context)):
+                and self._exploration_due(context, self.max_budget, self.since_max)):
             return Offer(self.max_budget)
         relative = self.relative()
         expected = [self.expected(budget, relative) for budget in self.candidates]
+        wanted = self.step_up or 0
+        if wanted and not self._exploration_due(context, wanted, self.steps - self.verified_at.get(wanted, -10**9)):
+            wanted = 0
         return Offer(None, self.candidates, tuple(e[0] for e in expected), tuple(e[1] for e in expected),
-                     self.steps - self.drafted_at, context, self.step_up or 0)
+                     self.steps - self.drafted_at, context, wanted)
 
     def relative(self) -> float:
         """What this session's trees accept over what the service's do (`own_ratio`), aged like a record towards
@@ -249,14 +252,18 @@ class AdaptiveBudget:
         return ((weight * record[0] + hope * usual) / (weight + hope),
                 (weight * record[1] + hope * budget) / (weight + hope))
 
-    def _exploration_due(self, context: int) -> bool:
-        """Whether enough steps have passed since the last one at the maximum that one more spends at most
-        `explore_share` of the batch's time on the explorations of all its sessions (each one adds its tree's rows
-        to the batch as it stands, and its draft round if the batch had none)."""
+    def _exploration_due(self, context: int, budget: int, since: int) -> bool:
+        """Whether `since` steps since `budget` last told its outcome are enough that one more step at it spends at
+        most `explore_share` of the batch's time on the explorations of all its sessions (each one adds its tree's
+        rows to the batch as it stands, and its draft round if the batch had none): the maximum after paying steps,
+        and a step up. A step up on every path that ended at a leaf of a cut tree (n-gram trees are wide: most
+        paths do) cost a lone session at 128k a tree of 31 rows for every such path of 15 (budget_replay_edits.md,
+        edits below 0.95 of the best fixed budget without this check / with it: long-context engine 9 / 8 of 24,
+        GPU-bound 9 / 6)."""
         besides = max(0, self.costs.batch.rows - self.last_rows)
         usual = self.costs.seconds(self.last_budget, self.expected(self.last_budget)[1], context, besides)
-        explored = self.costs.seconds(self.max_budget, self.expected(self.max_budget)[1], context, besides)
-        return self.since_max >= self.costs.batch.sessions * (explored - usual) / (self.explore_share * usual)
+        explored = self.costs.seconds(budget, self.expected(budget)[1], context, besides)
+        return since >= self.costs.batch.sessions * (explored - usual) / (self.explore_share * usual)
 
     def observe_plain(self, steps: int) -> None:
         """A burst's plain steps in one call rather than one per token."""
