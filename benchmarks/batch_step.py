@@ -3,6 +3,7 @@ it, the host's share (wall minus busy) and the floor (weights and every session'
 copy bandwidth). Where the serving loop's step time goes before any gRPC is involved.
 
     python benchmarks/batch_step.py [--shape qwen3-8b] [--sessions 1 16 32 64 128] [--budgets 0 15] [--burst K]
+        [--temperature T [--top-p P]]   # every session sampling, each with its own seed
     python benchmarks/batch_step.py --shape tiny --sessions 1 4 --profile-host   # CPU smoke run
 """
 
@@ -13,6 +14,7 @@ import cProfile
 import io
 import pstats
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -34,6 +36,8 @@ from e2e_step import (
 from modeling.tree import DraftTree
 from verifier_service.engine.engine import Engine
 from verifier_service.engine.sampling import SamplingParams
+
+GREEDY = SamplingParams(max_new_tokens=1 << 20, ignore_eos=True)
 
 
 def gpu_busy_ms(fn, steps: int = 5) -> float:
@@ -59,10 +63,11 @@ def host_profile(fn, steps: int = 20, top: int = 12) -> str:
     return out.getvalue()
 
 
-def open_sessions(engine: Engine, count: int, context: int) -> list[str]:
+def open_sessions(engine: Engine, count: int, context: int, sampling: SamplingParams) -> list[str]:
+    """`count` sessions of `context` tokens generating with `sampling` (each its own seed)."""
     ids = [our_session(engine, context) for _ in range(count)]
-    for session_id in ids:
-        engine.start_generation(session_id, SamplingParams(max_new_tokens=1 << 20, ignore_eos=True))
+    for seed, session_id in enumerate(ids):
+        engine.start_generation(session_id, replace(sampling, seed=seed))
     return ids
 
 
@@ -73,9 +78,9 @@ def floor_ms(engine: Engine, weights: dict, sessions: int, context: int, bandwid
 
 
 def measure(engine: Engine, weights: dict, sessions: int, budget: int, context: int, bandwidth: float,
-            profile_host: bool, burst: int = 1) -> dict:
+            profile_host: bool, burst: int = 1, sampling: SamplingParams = GREEDY) -> dict:
     """One point; a plain point with burst > 1 times `Engine.decode` of that many steps and reports per step."""
-    ids = open_sessions(engine, sessions, context)
+    ids = open_sessions(engine, sessions, context, sampling)
     generator = torch.Generator().manual_seed(sessions + budget)
     trees = [random_tree(budget, engine.model_config.vocab_size, generator) if budget else DraftTree.empty()
              for _ in ids]
@@ -89,6 +94,7 @@ def measure(engine: Engine, weights: dict, sessions: int, budget: int, context: 
 
     wall = timed(step) / forwards
     row = {"sessions": sessions, "budget": budget, "context": context, "burst": forwards, "step_ms": wall,
+           "temperature": sampling.temperature, "top_p": sampling.top_p,
            "floor_ms": floor_ms(engine, weights, sessions, context, bandwidth)}
     if engine.device.type == "cuda":
         row["gpu_busy_ms"] = gpu_busy_ms(step) / forwards
@@ -109,12 +115,15 @@ def kernels(row: dict, top: int = 4) -> str:
 def markdown(result: dict) -> str:
     lines = [f"# One engine step of B sessions ({result['shape']}, {result['device']})", "",
              f"`{result['command']}`", "",
-             "| sessions | budget | steps per call | context | step ms | GPU busy ms | host ms (step - busy) "
-             "| floor ms | step / floor | GPU kernels, ms per step |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| sessions | budget | steps per call | context | sampling | step ms | GPU busy ms "
+             "| host ms (step - busy) | floor ms | step / floor | GPU kernels, ms per step |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         busy, host = (f"{r[k]:.2f}" if k in r else "-" for k in ("gpu_busy_ms", "host_ms"))
-        lines.append(f"| {r['sessions']} | {r['budget']} | {r['burst']} | {r['context']} | {r['step_ms']:.2f} "
+        sampling = (f"T {r['temperature']:g}" + (f", top-p {r['top_p']:g}" if r["top_p"] < 1 else "")
+                    if r.get("temperature") else "greedy")
+        lines.append(f"| {r['sessions']} | {r['budget']} | {r['burst']} | {r['context']} | {sampling} "
+                     f"| {r['step_ms']:.2f} "
                      f"| {busy} | {host} "
                      f"| {r['floor_ms']:.2f} | {r['step_ms'] / r['floor_ms']:.2f}x | {kernels(r)} |")
     return "\n".join(lines) + ("\n\nThe step is `Engine.step` (batch building, the forward, acceptance, commit) with "
@@ -133,6 +142,8 @@ def main() -> None:
     parser.add_argument("--burst", type=int, default=1,
                         help="plain steps per engine call (Engine.decode) at budget 0; times are per step")
     parser.add_argument("--profile-host", action="store_true", help="print a cProfile of each point's steps")
+    parser.add_argument("--temperature", type=float, default=0.0, help="every session samples (0: greedy)")
+    parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--out-dir", type=Path, default=Path("benchmarks/results"))
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -143,8 +154,9 @@ def main() -> None:
     engine = engine_for(ours, device, tokens_per_session, sessions=max(args.sessions))
     bandwidth, weights = copy_bandwidth(device), weight_counts(ours)
     engine.warm_up(max(args.budgets) + 1)
-    rows = [measure(engine, weights, sessions, budget, args.context, bandwidth, args.profile_host, args.burst)
-            for budget in args.budgets for sessions in args.sessions]
+    sampling = replace(GREEDY, temperature=args.temperature, top_p=args.top_p)
+    rows = [measure(engine, weights, sessions, budget, args.context, bandwidth, args.profile_host, args.burst,
+                    sampling) for budget in args.budgets for sessions in args.sessions]
     device_name = "CPU" if device == "cpu" else torch.cuda.get_device_name()
     result = {"command": "python " + " ".join(sys.argv), "shape": args.shape, "device": device_name,
               "bandwidth": bandwidth, "rows": rows}

@@ -18,7 +18,7 @@ from modeling.tree import DraftTree
 from tests.engine_helpers import random_tree
 from verifier_service.engine.config import EngineConfig
 from verifier_service.engine.engine import Engine
-from verifier_service.engine.sampling import SamplingParams, target_distribution
+from verifier_service.engine.sampling import RowSampling, SamplingParams, choose_tokens, target_distribution
 
 VOCAB = 5
 PROMPT = [1, 3, 0, 2]
@@ -45,7 +45,8 @@ def exact_law(engine: Engine) -> dict[tuple[int, int], float]:
                                                session.block_table.pages)], engine.device)
         hidden, _ = engine._forward(batch)
         engine.release_session(session.session_id)
-        return target_distribution(engine.model.logits(hidden), PARAMS)[0]
+        logits = engine.model.logits(hidden)
+        return target_distribution(logits, RowSampling.of([PARAMS], [len(logits)], VOCAB, logits.device))[0]
 
     first = next_probs(PROMPT)
     return {(a, b): float(first[a] * next_probs(PROMPT + [a])[b])
@@ -163,9 +164,36 @@ def test_the_test_detects_a_biased_sampler(engine_and_law, monkeypatch) -> None:
     assert chi_square_p(sample_first_two(engine, with_trees=True), law) < ALPHA
 
 
+def rows_of(*params: SamplingParams, rows: int = 1) -> RowSampling:
+    return RowSampling.of(list(params), [rows] * len(params), 5, torch.device("cpu"))
+
+
 def test_top_k_and_top_p_shape_the_distribution() -> None:
     logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0]])
-    probs = target_distribution(logits, SamplingParams(temperature=1.0, top_k=3))
+    probs = target_distribution(logits, rows_of(SamplingParams(temperature=1.0, top_k=3)))
     assert (probs[0, 3:] == 0).all() and probs[0, :3].sum().item() == pytest.approx(1.0)
-    probs = target_distribution(logits, SamplingParams(temperature=1.0, top_p=0.5))
+    probs = target_distribution(logits, rows_of(SamplingParams(temperature=1.0, top_p=0.5)))
     assert probs[0, 0].item() == pytest.approx(1.0)  # the top token alone already holds > 0.5
+
+
+def test_each_row_of_a_batch_takes_its_own_sessions_settings() -> None:
+    """One pass over the rows of sessions with other temperatures, top-k and top-p gives each row the distribution
+    its session's settings alone give it; greedy rows take their argmax."""
+    settings = [SamplingParams(temperature=1.0, top_k=3), SamplingParams(temperature=0.5),
+                SamplingParams(temperature=2.0, top_p=0.5), SamplingParams(temperature=1.0, top_k=9)]
+    logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0], [0.0, 1.0, 2.0, 3.0, 4.0]]).repeat(4, 1)
+    batch = target_distribution(logits, RowSampling.of(settings, [2] * 4, 5, torch.device("cpu")))
+    for i, params in enumerate(settings):
+        alone = target_distribution(logits[2 * i: 2 * i + 2], rows_of(params, rows=2))
+        torch.testing.assert_close(batch[2 * i: 2 * i + 2], alone)
+    mixed = RowSampling.of([SamplingParams(), settings[1]], [2, 2], 5, torch.device("cpu"))
+    tokens = choose_tokens(logits[:4], mixed, torch.tensor([0.99, 0.99, 0.0, 1.0 - 2 ** -24]))
+    assert tokens.tolist() == [0, 4, 0, 4]  # NOTE: argmax, argmax, then the draws at each end of the CDF
+
+
+def test_a_draw_picks_the_token_whose_share_of_the_cdf_holds_it() -> None:
+    """The inverse CDF never lands on a token of no mass, whatever the draw."""
+    logits = torch.tensor([[0.0, 0.0, -math.inf, 0.0, -math.inf]]).repeat(5, 1)
+    rows = rows_of(SamplingParams(temperature=1.0), rows=5)
+    draws = torch.tensor([0.0, 0.3, 1 / 3, 0.7, 1.0 - 2 ** -24])
+    assert choose_tokens(logits, rows, draws).tolist() == [0, 0, 1, 3, 3]

@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from modeling.checkpoint import load_causal_lm
@@ -27,7 +28,7 @@ from verifier_service.engine.page_pool import PagePool
 from verifier_service.engine.penalties import LogitAdjustment
 from verifier_service.engine.prefill import Prefill
 from verifier_service.engine.prefix_cache import PrefixCache
-from verifier_service.engine.sampling import MAX_LOGPROBS, SamplingParams, choose_tokens
+from verifier_service.engine.sampling import MAX_LOGPROBS, RowSampling, SamplingParams, choose_tokens
 from verifier_service.engine.session import Generation, Session
 from verifier_service.engine.stopping import StopChecker, StopReason
 from verifier_service.engine.verify_batch import (
@@ -254,9 +255,8 @@ class Engine:
         if bad is not None:
             raise InvalidArgument(f"logit_bias: token {bad} is outside the vocabulary (0..{vocab - 1})")
         generator = None
-        if not params.greedy:
-            seed = params.seed if params.seed is not None else secrets.randbits(63)
-            generator = torch.Generator(self.device).manual_seed(seed)
+        if not params.greedy:  # NOTE: on the host: a row's draw is one number, uploaded with the batch's
+            generator = np.random.default_rng(params.seed if params.seed is not None else secrets.randbits(63))
         session = self.session(session_id)
         growth = self._growth(session, params.max_new_tokens)
         if growth > self.pool.num_pages - len(session.block_table.pages):
@@ -429,15 +429,29 @@ class Engine:
         own."""
         argmax = all(g.params.raw_argmax for g in generations)
         chosen = self.head(hidden, argmax)  # [N] tokens, or [N, V] logits
-        tokens = chosen if argmax else torch.cat([
-            choose_tokens(_adjusted(chosen[lo:hi], g, b), g.params, g.generator)
-            for g, b, lo, hi in zip(generations, blocks, offsets, offsets[1:])])
+        tokens = chosen if argmax else self._sample(chosen, generations, blocks, offsets)
         asks = [g.params.logprobs for g in generations]
         spans = asking_spans(asks, offsets)
         if not spans:
             return tokens, None
         logits = self.logits(hidden, spans) if argmax else _rows(chosen, spans)  # NOTE: raw, never adjusted
         return tokens, RowLogprobs.of(logits, _rows(tokens, spans), max(a for a in asks if a is not None))
+
+    def _sample(self, logits: torch.Tensor, generations: list[Generation], blocks: list[BlockSpec],
+                offsets: list[int]) -> torch.Tensor:
+        """Every row's token, all sessions' rows at once: each session's rows adjusted (penalties.py), then chosen
+        with its settings and its own draws (sampling.choose_tokens). `logits` stay raw, for the logprobs."""
+        adjusted = [(g, b, lo, hi) for g, b, lo, hi in zip(generations, blocks, offsets, offsets[1:])
+                    if g.adjustment is not None]
+        if adjusted:
+            logits = logits.clone()
+            for g, b, lo, hi in adjusted:
+                logits[lo:hi] = g.adjustment.apply(logits[lo:hi], b.tokens, b.parent_rows)
+        counts = [hi - lo for lo, hi in zip(offsets, offsets[1:])]
+        rows = RowSampling.of([g.params for g in generations], counts, logits.shape[-1], logits.device)
+        draws = np.concatenate([g.generator.random(n, dtype=np.float32) if g.generator is not None
+                                else np.zeros(n, dtype=np.float32) for g, n in zip(generations, counts)])
+        return choose_tokens(logits, rows, torch.from_numpy(draws).to(logits.device, non_blocking=True))
 
     def _distinct_sessions(self, session_ids: list[str]) -> list[Session]:
         sessions = [self.session(sid) for sid in session_ids]
@@ -581,13 +595,6 @@ class Engine:
 def _offsets(blocks: list[BlockSpec]) -> list[int]:
     """Where each block's rows start in the packed batch, and where the last ends."""
     return [0, *itertools.accumulate(len(b.tokens) for b in blocks)]
-
-
-def _adjusted(logits: torch.Tensor, generation: Generation, block: BlockSpec) -> torch.Tensor:
-    """A session's rows' logits as its choice reads them: with its bias and penalties, if any."""
-    if generation.adjustment is None:
-        return logits
-    return generation.adjustment.apply(logits, block.tokens, block.parent_rows)
 
 
 def _rows(tensor: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tensor:

@@ -83,26 +83,58 @@ class SamplingParams:
         return self.greedy and not self.adjusts_logits
 
 
-def target_distribution(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """logits: [T, V] fp32 -> probabilities [T, V] after temperature, top-k and top-p."""
-    logits = logits / params.temperature
-    if params.top_k and params.top_k < logits.shape[-1]:
-        kth = logits.topk(params.top_k, dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
+@dataclass(frozen=True)
+class RowSampling:
+    """The sampling settings of a batch's verify rows, one per row on the device (each session's for its rows), so
+    that every row of every session is chosen in one pass of kernels rather than a few per session (64 sampling
+    sessions paid ~10 launches each a step). `largest_k` (0: no row has a top-k below the vocabulary) and
+    `any_top_p` are known on the host: a batch pays for a top-k or a sort only where some row asks for one."""
+
+    temperature: torch.Tensor  # [N] float, 1 at greedy rows (their choice is the argmax)
+    top_k: torch.Tensor  # [N] int64, 0 = off
+    top_p: torch.Tensor  # [N] float, inf = off
+    greedy: torch.Tensor  # [N] bool
+    largest_k: int
+    any_top_p: bool
+    any_sampled: bool  # NOTE: False: every row takes its argmax, and no distribution is computed
+
+    @classmethod
+    def of(cls, params: list[SamplingParams], rows: list[int], vocab: int, device: torch.device) -> RowSampling:
+        """params[i] for the next rows[i] rows."""
+        top_ks = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
+        settings = torch.tensor([[p.temperature or 1.0 for p in params], [float(k) for k in top_ks],
+                                 [p.top_p if p.top_p < 1.0 else math.inf for p in params],
+                                 [float(p.greedy) for p in params]], dtype=torch.float32)
+        per_row = settings.repeat_interleave(torch.tensor(rows), dim=1).to(device, non_blocking=True)
+        return cls(per_row[0], per_row[1].long(), per_row[2], per_row[3].bool(), max(top_ks),
+                   any(p.top_p < 1.0 for p in params), not all(p.greedy for p in params))
+
+
+def target_distribution(logits: torch.Tensor, rows: RowSampling) -> torch.Tensor:
+    """logits: [N, V] fp32 -> probabilities [N, V] after each row's temperature, top-k and top-p."""
+    logits = logits / rows.temperature[:, None]
+    if rows.largest_k:
+        kth = logits.topk(rows.largest_k, dim=-1).values.gather(1, (rows.top_k.clamp(min=1) - 1)[:, None])
+        logits = logits.masked_fill((logits < kth) & (rows.top_k > 0)[:, None], float("-inf"))
     probs = logits.softmax(-1)
-    if params.top_p < 1.0:
+    if rows.any_top_p:
         sorted_probs, order = probs.sort(dim=-1, descending=True)
         # NOTE: keep a token when the mass before it is below top_p (the top token always survives).
-        drop_sorted = (sorted_probs.cumsum(-1) - sorted_probs) >= params.top_p
+        drop_sorted = (sorted_probs.cumsum(-1) - sorted_probs) >= rows.top_p[:, None]
         probs = probs.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), 0.0)
         probs = probs / probs.sum(-1, keepdim=True)
     return probs
 
 
-def choose_tokens(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
-    """The target's own token at each row: argmax when greedy, else an independent draw per row.
-    logits: [T, V] -> [T] int64."""
-    if params.greedy:
+def choose_tokens(logits: torch.Tensor, rows: RowSampling, draws: torch.Tensor) -> torch.Tensor:
+    """The target's own token at each row: the argmax at greedy rows, else the token at the row's draw (uniform in
+    [0, 1), [N] on the device) on the inverse CDF of its distribution: one independent draw per row, from the
+    session's own generator (`draws` is made on the host, so a seed gives the same tokens whatever the batch).
+    logits: [N, V] -> [N] int64."""
+    if not rows.any_sampled:
         return logits.argmax(-1)
-    probs = target_distribution(logits, params)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    probs = target_distribution(logits, rows)
+    cdf = probs.cumsum(-1)
+    # NOTE: the first token whose cumulative mass exceeds the draw (right=True: never one of zero mass)
+    sampled = torch.searchsorted(cdf, (draws * cdf[:, -1]).unsqueeze(-1), right=True).squeeze(-1)
+    return torch.where(rows.greedy, logits.argmax(-1), sampled.clamp_(max=logits.shape[-1] - 1))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
+import numpy as np
 
 from verifier_service.engine.block_table import BlockTable
 from verifier_service.engine.penalties import LogitAdjustment
@@ -17,7 +17,7 @@ from verifier_service.engine.stopping import StopChecker
 class Generation:
     params: SamplingParams
     stop: StopChecker
-    generator: torch.Generator | None
+    generator: np.random.Generator | None  # NOTE: the draws of its sampled rows, on the host (None when greedy)
     adjustment: LogitAdjustment | None = None  # NOTE: None unless the params adjust the logits (the fast paths)
 
 
