@@ -3,7 +3,7 @@ it, the host's share (wall minus busy) and the floor (weights and every session'
 copy bandwidth). Where the serving loop's step time goes before any gRPC is involved.
 
     python benchmarks/batch_step.py [--shape qwen3-8b] [--sessions 1 16 32 64 128] [--budgets 0 15] [--burst K]
-        [--temperature T [--top-p P]]   # every session sampling, each with its own seed
+        [--temperature T [--top-p P]] [--repetition-penalty R] [--frequency-penalty F]   # every session's settings
     python benchmarks/batch_step.py --shape tiny --sessions 1 4 --profile-host   # CPU smoke run
 """
 
@@ -95,6 +95,7 @@ def measure(engine: Engine, weights: dict, sessions: int, budget: int, context: 
     wall = timed(step) / forwards
     row = {"sessions": sessions, "budget": budget, "context": context, "burst": forwards, "step_ms": wall,
            "temperature": sampling.temperature, "top_p": sampling.top_p,
+           "repetition_penalty": sampling.repetition_penalty, "frequency_penalty": sampling.frequency_penalty,
            "floor_ms": floor_ms(engine, weights, sessions, context, bandwidth)}
     if engine.device.type == "cuda":
         row["gpu_busy_ms"] = gpu_busy_ms(step) / forwards
@@ -120,8 +121,11 @@ def markdown(result: dict) -> str:
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         busy, host = (f"{r[k]:.2f}" if k in r else "-" for k in ("gpu_busy_ms", "host_ms"))
-        sampling = (f"T {r['temperature']:g}" + (f", top-p {r['top_p']:g}" if r["top_p"] < 1 else "")
-                    if r.get("temperature") else "greedy")
+        sampling = ", ".join([f"T {r['temperature']:g}" if r.get("temperature") else "greedy"]
+                             + ([f"top-p {r['top_p']:g}"] if r.get("top_p", 1) < 1 else [])
+                             + ([f"repetition {r['repetition_penalty']:g}"]
+                                if r.get("repetition_penalty", 1) != 1 else [])
+                             + ([f"frequency {r['frequency_penalty']:g}"] if r.get("frequency_penalty") else []))
         lines.append(f"| {r['sessions']} | {r['budget']} | {r['burst']} | {r['context']} | {sampling} "
                      f"| {r['step_ms']:.2f} "
                      f"| {busy} | {host} "
@@ -144,6 +148,8 @@ def main() -> None:
     parser.add_argument("--profile-host", action="store_true", help="print a cProfile of each point's steps")
     parser.add_argument("--temperature", type=float, default=0.0, help="every session samples (0: greedy)")
     parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--repetition-penalty", type=float, default=1.0)
+    parser.add_argument("--frequency-penalty", type=float, default=0.0)
     parser.add_argument("--out-dir", type=Path, default=Path("benchmarks/results"))
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -154,7 +160,8 @@ def main() -> None:
     engine = engine_for(ours, device, tokens_per_session, sessions=max(args.sessions))
     bandwidth, weights = copy_bandwidth(device), weight_counts(ours)
     engine.warm_up(max(args.budgets) + 1)
-    sampling = replace(GREEDY, temperature=args.temperature, top_p=args.top_p)
+    sampling = replace(GREEDY, temperature=args.temperature, top_p=args.top_p,
+                       repetition_penalty=args.repetition_penalty, frequency_penalty=args.frequency_penalty)
     rows = [measure(engine, weights, sessions, budget, args.context, bandwidth, args.profile_host, args.burst,
                     sampling) for budget in args.budgets for sessions in args.sessions]
     device_name = "CPU" if device == "cpu" else torch.cuda.get_device_name()

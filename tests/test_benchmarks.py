@@ -145,12 +145,12 @@ def test_batch_step_smoke_run_writes_its_table(tmp_path: Path) -> None:
     assert "| 3 | 7 | 1 | 64 | greedy |" in (tmp_path / "batch_step_tiny.md").read_text()
 
 
-def test_batch_step_samples_when_asked(tmp_path: Path) -> None:
+def test_batch_step_samples_and_penalizes_when_asked(tmp_path: Path) -> None:
     run_benchmark("batch_step.py", "--shape", "tiny", "--sessions", "2", "--budgets", "0", "--context", "64",
-                  "--temperature", "0.8", "--top-p", "0.9", "--out-dir", str(tmp_path))
+                  "--temperature", "0.8", "--top-p", "0.9", "--frequency-penalty", "0.5", "--out-dir", str(tmp_path))
     (row,) = json.loads((tmp_path / "batch_step_tiny.json").read_text())["rows"]
-    assert (row["temperature"], row["top_p"]) == (0.8, 0.9) and row["step_ms"] > 0
-    assert "| 2 | 0 | 1 | 64 | T 0.8, top-p 0.9 |" in (tmp_path / "batch_step_tiny.md").read_text()
+    assert (row["temperature"], row["top_p"], row["frequency_penalty"]) == (0.8, 0.9, 0.5) and row["step_ms"] > 0
+    assert "| 2 | 0 | 1 | 64 | T 0.8, top-p 0.9, frequency 0.5 |" in (tmp_path / "batch_step_tiny.md").read_text()
 
 
 @pytest.mark.parametrize("shape", ["tiny", "tiny-mla"])

@@ -15,7 +15,7 @@ from modeling.tree import DraftTree
 from proto import common_pb2
 from tests.engine_helpers import burst_to_end, emitted_of, make_engine, planted_trees, run_to_end
 from verifier_service.engine.engine import Engine, StepResult
-from verifier_service.engine.penalties import LogitAdjustment, path_tokens
+from verifier_service.engine.penalties import AdjustedRows, LogitAdjustment, adjust, path_tokens
 from verifier_service.engine.sampling import SamplingParams
 from verifier_service.engine.verify_batch import BlockSpec
 from verifier_service.errors import InvalidArgument
@@ -126,9 +126,35 @@ def test_a_path_that_repeats_a_token_counts_it_at_every_row_below() -> None:
     adjustment = LogitAdjustment(params, prompt, 16, torch.device("cpu"))
     adjustment.count(output)
     logits = torch.randn(len(block.tokens), 16, generator=torch.Generator().manual_seed(0))
-    got = adjustment.apply(logits, block.tokens, block.parent_rows)
+    got = adjust(logits, [AdjustedRows(adjustment, block.tokens, block.parent_rows, 0)])
     for row in range(len(block.tokens)):
         torch.testing.assert_close(got[row], adjusted_by_hand(logits[row], prompt, output + per_row[row], params))
+
+
+def test_the_sessions_of_a_batch_are_adjusted_in_one_pass_each_as_by_hand() -> None:
+    """Rows of sessions with other biases and penalties, adjusted together: each row is its session's logits adjusted
+    by hand with its output and its own path; a session without adjustments between them keeps its rows as they
+    were."""
+    tree = DraftTree((4, 5, 5), (-1, -1, 1), (1, 1, 2))
+    block = BlockSpec.from_tree(10, 9, tree, [])
+    paths = [[], [4], [5], [5, 5]]  # NOTE: each row's draft tokens from the root down (root excluded)
+    cpu, rows = torch.device("cpu"), len(block.tokens)
+    settings = [(SamplingParams(repetition_penalty=1.3, logit_bias=((3, 2.0),)), [1, 2, 6], [5, 7]),
+                (SamplingParams(frequency_penalty=0.5, presence_penalty=0.2), [2], [4, 4]),
+                (SamplingParams(logit_bias=((0, -5.0), (9, 1.5))), [0], [])]
+    sessions = []
+    for (params, prompt, output), start in zip(settings, (0, rows, 3 * rows)):  # NOTE: rows 2r..3r: nobody's
+        adjustment = LogitAdjustment(params, prompt, 16, cpu)
+        adjustment.count(output)
+        sessions.append(AdjustedRows(adjustment, block.tokens, block.parent_rows, start))
+    logits = torch.randn(4 * rows, 16, generator=torch.Generator().manual_seed(1))
+    got = adjust(logits, sessions)
+    for (params, prompt, output), session in zip(settings, sessions):
+        counted = output if params.penalized else []
+        for row in range(rows):
+            at = session.start + row
+            torch.testing.assert_close(got[at], adjusted_by_hand(logits[at], prompt, counted + paths[row], params))
+    assert torch.equal(got[2 * rows: 3 * rows], logits[2 * rows: 3 * rows])
 
 
 def test_penalties_in_a_batch_leave_the_other_sessions_outputs_as_they_were(engine, references) -> None:

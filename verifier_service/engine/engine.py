@@ -25,7 +25,7 @@ from verifier_service.engine.config import TRITON_MAX_BLOCK, EngineConfig
 from verifier_service.engine.kv_cache import KVCache, TreeScratch
 from verifier_service.engine.logprobs import RowLogprobs, TokenLogprob, asking_spans, ranked_logprobs, read_back
 from verifier_service.engine.page_pool import PagePool
-from verifier_service.engine.penalties import LogitAdjustment
+from verifier_service.engine.penalties import AdjustedRows, LogitAdjustment, adjust
 from verifier_service.engine.prefill import Prefill
 from verifier_service.engine.prefix_cache import PrefixCache
 from verifier_service.engine.sampling import MAX_LOGPROBS, RowSampling, SamplingParams, choose_tokens
@@ -441,12 +441,10 @@ class Engine:
                 offsets: list[int]) -> torch.Tensor:
         """Every row's token, all sessions' rows at once: each session's rows adjusted (penalties.py), then chosen
         with its settings and its own draws (sampling.choose_tokens). `logits` stay raw, for the logprobs."""
-        adjusted = [(g, b, lo, hi) for g, b, lo, hi in zip(generations, blocks, offsets, offsets[1:])
-                    if g.adjustment is not None]
+        adjusted = [AdjustedRows(g.adjustment, b.tokens, b.parent_rows, lo)
+                    for g, b, lo in zip(generations, blocks, offsets) if g.adjustment is not None]
         if adjusted:
-            logits = logits.clone()
-            for g, b, lo, hi in adjusted:
-                logits[lo:hi] = g.adjustment.apply(logits[lo:hi], b.tokens, b.parent_rows)
+            logits = adjust(logits, adjusted)
         counts = [hi - lo for lo, hi in zip(offsets, offsets[1:])]
         rows = RowSampling.of([g.params for g in generations], counts, logits.shape[-1], logits.device)
         draws = np.concatenate([g.generator.random(n, dtype=np.float32) if g.generator is not None
