@@ -63,7 +63,7 @@ def host_profile(fn, steps: int = 20, top: int = 12) -> str:
     return out.getvalue()
 
 
-def open_sessions(engine: Engine, count: int, context: int, sampling: SamplingParams) -> list[str]:
+def open_sessions(engine: Engine, count: int, context: int, sampling: SamplingParams = GREEDY) -> list[str]:
     """`count` sessions of `context` tokens generating with `sampling` (each its own seed)."""
     ids = [our_session(engine, context) for _ in range(count)]
     for seed, session_id in enumerate(ids):
