@@ -86,8 +86,8 @@ class SamplingParams:
 @dataclass(frozen=True)
 class RowSampling:
     """The sampling settings of a batch's verify rows, one per row on the device (each session's for its rows), so
-    that every row of every session is chosen in one pass of kernels rather than a few per session (64 sampling
-    sessions paid ~10 launches each a step). `largest_k` (0: no row has a top-k below the vocabulary) and
+    that every row of every session is chosen in one pass of kernels rather than a few per session (one session at
+    a time took ~10 kernel launches each a step). `largest_k` (0: no row has a top-k below the vocabulary) and
     `any_top_p` are known on the host: a batch pays for a top-k or a sort only where some row asks for one."""
 
     temperature: torch.Tensor  # [N] float, 1 at greedy rows (their choice is the argmax)
