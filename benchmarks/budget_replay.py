@@ -92,20 +92,22 @@ def replay(texts: list[tuple[list[int], list[int]]], engine: Engine, generations
                                generations=generations) for name, policy in policies.items()}
 
 
+def git(repo: Path, *args: str) -> str:
+    """A git command's output in `repo` (an error if it fails)."""
+    return subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True, errors="replace",
+                          check=True).stdout
+
+
 def edit_texts(repo: Path, rev: str, count: int, tokens: int) -> list[dict]:
     """Up to `count` code edits from the commits of `repo` up to `rev`, newest first: per commit, its first changed
     .py or .md file whose new version holds `tokens` tokens from EDIT_LEAD characters before its first change.
     The prompt is the old version (its last PROMPT_TAIL tokens), the text the new one from there."""
 
-    def git(*args: str) -> str:
-        return subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True, errors="replace",
-                              check=True).stdout
-
     tokenizer, edits = byte_level_tokenizer(), []
-    for commit in git("rev-list", "--no-merges", rev).split():
-        changed = git("diff-tree", "--no-commit-id", "--name-only", "--diff-filter=M", "-r", commit).split()
+    for commit in git(repo, "rev-list", "--no-merges", rev).split():
+        changed = git(repo, "diff-tree", "--no-commit-id", "--name-only", "--diff-filter=M", "-r", commit).split()
         for path in (p for p in changed if p.endswith((".py", ".md"))):
-            old, new = git("show", f"{commit}^:{path}"), git("show", f"{commit}:{path}")
+            old, new = git(repo, "show", f"{commit}^:{path}"), git(repo, "show", f"{commit}:{path}")
             first = next((i for i, (a, b) in enumerate(zip(old, new)) if a != b), min(len(old), len(new)))
             text = tokenizer.encode(new[max(0, first - EDIT_LEAD):]).ids[:tokens]
             if len(text) == tokens:
@@ -168,8 +170,7 @@ def replay_recorded(args: argparse.Namespace, command: str) -> None:
 
 def replay_edits(args: argparse.Namespace, command: str) -> None:
     """Each edit replayed by a lone session, and the first BATCH together, on every engine."""
-    rev = subprocess.run(["git", "-C", str(args.git_edits), "rev-parse", args.rev], capture_output=True, text=True,
-                         check=True).stdout.strip()
+    rev = git(args.git_edits, "rev-parse", args.rev).strip()
     edits = edit_texts(args.git_edits, rev, args.edits, args.tokens)
     texts = [(edit["prompt"], edit["text"]) for edit in edits]
     batch = texts[:BATCH]

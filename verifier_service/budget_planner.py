@@ -158,28 +158,25 @@ class BudgetPlanner:
         smallest = min(PROBE_BUDGET, candidates[-1])
         if not idle or not smallest:
             return smallest, 0.0
-        step, least = self._probe_cost(pass_, choice, idle, smallest)
-        probe = smallest
-        rows, largest = float(pass_.rows(choice)), self.costs.verify.largest(pass_.context)
-        for budget in (b for b in candidates if b > smallest):
-            cost = self._probe_cost(pass_, choice, idle, budget)[1]
-            # NOTE: past the largest size verified the verify's estimate is a guess (CostModel.estimate's optimism):
-            # a probe reaches at most twice as far, and the next one past that once it has been measured
-            if cost > PROBE_GROWTH * least or rows + len(idle) * budget > 2 * largest:
-                break
-            probe = budget
-        return probe, least / (self.probe_share * step)
-
-    def _probe_cost(self, pass_: _Pass, choice: np.ndarray, idle: list[int], probe: int) -> tuple[float, float]:
-        """(seconds of the pass planned as `choice`, seconds a probe of the `idle` sessions at `probe` adds)."""
         draft_s, rows = float(pass_.draft_s(choice)), float(pass_.rows(choice))
         verify, context = self.costs.verify, pass_.context
         host_s = pass_.host_s(pass_.drafting(choice))
         step = draft_s + verify.estimate(rows, context) + host_s
-        extra = (max(draft_s, self.costs.draft.estimate(probe, context)) - draft_s
-                 + verify.estimate(rows + len(idle) * probe, context) - verify.estimate(rows, context)
-                 + pass_.host_s(True) - host_s)
-        return step, extra
+
+        def extra(probe: int) -> float:
+            """Seconds a probe of the idle sessions at `probe` adds to the pass."""
+            return (max(draft_s, self.costs.draft.estimate(probe, context)) - draft_s
+                    + verify.estimate(rows + len(idle) * probe, context) - verify.estimate(rows, context)
+                    + pass_.host_s(True) - host_s)
+
+        least, largest, probe = extra(smallest), verify.largest(context), smallest
+        for budget in (b for b in candidates if b > smallest):
+            # NOTE: past the largest size verified the verify's estimate is a guess (CostModel.estimate's optimism):
+            # a probe reaches at most twice as far, and the next one past that once it has been measured
+            if extra(budget) > PROBE_GROWTH * least or rows + len(idle) * budget > 2 * largest:
+                break
+            probe = budget
+        return probe, least / (self.probe_share * step)
 
 
 class _Pass:
