@@ -20,13 +20,12 @@ import shlex
 import statistics
 import sys
 import time
-from pathlib import Path
 
 from e2e_step import git_commit
 from long_context import (
-    DEFAULT_CHECKPOINTS,
     SHAPES,
     Stream,
+    add_stack_args,
     checkpoints,
     context_label,
     context_tokens,
@@ -126,10 +125,7 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--drafter", choices=("dflash", "ngram"), default="dflash")
     parser.add_argument("--tree-budget", type=int, default=15)
-    parser.add_argument("--page-size", type=int, default=64)
-    parser.add_argument("--checkpoint-dir", type=Path, default=DEFAULT_CHECKPOINTS)
-    parser.add_argument("--start-timeout-s", type=float, default=600.0)
-    parser.add_argument("--out-dir", type=Path, default=Path(__file__).parent / "results")
+    add_stack_args(parser)
     args = parser.parse_args()
     if args.turns < 2 or args.sessions < 1 or args.max_new_tokens < 2 or args.turn_tokens < 1:
         parser.error("--turns must be >= 2, --sessions and --turn-tokens >= 1, --max-new-tokens >= 2")

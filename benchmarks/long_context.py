@@ -483,6 +483,17 @@ def markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
+def add_stack_args(parser: argparse.ArgumentParser) -> None:
+    """The options of every benchmark that starts a stack on these checkpoints: the KV page size, where the
+    checkpoints are kept, how long the stack may take to start, where the results go."""
+    parser.add_argument("--page-size", type=int, default=64)
+    parser.add_argument("--checkpoint-dir", type=Path, default=DEFAULT_CHECKPOINTS,
+                        help="where the qwen3-8b-shaped checkpoints are written once and reused (~16 GB target, "
+                             "~2 GB drafter)")
+    parser.add_argument("--start-timeout-s", type=float, default=600.0)
+    parser.add_argument("--out-dir", type=Path, default=Path(__file__).parent / "results")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "),
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -514,13 +525,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--kv-budget-mb", type=float,
                         help="the verifier's KV cache (default: --sessions sessions of the longest context and its "
                              "new tokens; qwen3-8b at 185k: ~27 GB a session)")
-    parser.add_argument("--page-size", type=int, default=64)
-    parser.add_argument("--checkpoint-dir", type=Path, default=DEFAULT_CHECKPOINTS,
-                        help="where the qwen3-8b-shaped checkpoints are written once and reused (~16 GB target, "
-                             "~2 GB drafter)")
-    parser.add_argument("--start-timeout-s", type=float, default=600.0)
+    add_stack_args(parser)
     parser.add_argument("--log-dir", type=Path, help="the services' logs, a folder per drafter (default: temporary)")
-    parser.add_argument("--out-dir", type=Path, default=Path(__file__).parent / "results")
     parser.add_argument("--merge", action="store_true",
                         help="keep the rows of the results already in --out-dir that this run does not measure again "
                              "(same shape and settings): a run split over several calls, e.g. one per drafter")

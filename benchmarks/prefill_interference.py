@@ -25,12 +25,11 @@ import sys
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from pathlib import Path
 
 from e2e_step import git_commit, titled_table, write_results
 from long_context import (
-    DEFAULT_CHECKPOINTS,
     SHAPES,
+    add_stack_args,
     checkpoints,
     context_label,
     context_tokens,
@@ -148,10 +147,7 @@ def main() -> None:
     parser.add_argument("--baseline-s", type=float, default=1.0, help="the decoders' time alone, for the baseline")
     parser.add_argument("--verifier-arg", action="append", default=[], metavar="WORDS",
                         help='more verifier options, e.g. --verifier-arg "--prefill-chunk 1024" (repeatable)')
-    parser.add_argument("--page-size", type=int, default=64)
-    parser.add_argument("--checkpoint-dir", type=Path, default=DEFAULT_CHECKPOINTS)
-    parser.add_argument("--start-timeout-s", type=float, default=600.0)
-    parser.add_argument("--out-dir", type=Path, default=Path(__file__).parent / "results")
+    add_stack_args(parser)
     args = parser.parse_args()
     if args.decoders < 1:
         parser.error("--decoders must be >= 1")

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from e2e_step import git_commit
-from long_context import DEFAULT_CHECKPOINTS, SHAPES, checkpoints, device_name, kv_budget_mb
+from long_context import SHAPES, add_stack_args, checkpoints, device_name, kv_budget_mb
 
 from ddtree.bench_cli import add_bench_command, benchmark
 from ddtree.local_stack import LocalStack, free_port
@@ -81,10 +81,7 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--concurrency", type=int, default=4)
-    parser.add_argument("--page-size", type=int, default=64)
-    parser.add_argument("--checkpoint-dir", type=Path, default=DEFAULT_CHECKPOINTS)
-    parser.add_argument("--start-timeout-s", type=float, default=600.0)
-    parser.add_argument("--out-dir", type=Path, default=Path(__file__).parent / "results")
+    add_stack_args(parser)
     args = parser.parse_args()
     found = checkpoints(args.shape, args.checkpoint_dir, with_dflash=False)
     tokens = args.shared_prefix + args.input_len + args.output_len + 64
