@@ -15,7 +15,7 @@ from modeling.tree import DraftTree
 from proto import common_pb2
 from tests.engine_helpers import burst_to_end, emitted_of, make_engine, planted_trees, run_to_end
 from verifier_service.engine.engine import Engine, StepResult
-from verifier_service.engine.penalties import AdjustedRows, LogitAdjustment, adjust, path_tokens
+from verifier_service.engine.penalties import AdjustedRows, BurstCounts, PenaltyState, adjust, count, path_tokens
 from verifier_service.engine.sampling import SamplingParams
 from verifier_service.engine.verify_batch import BlockSpec
 from verifier_service.errors import InvalidArgument
@@ -123,8 +123,8 @@ def test_a_path_that_repeats_a_token_counts_it_at_every_row_below() -> None:
 
     params = SamplingParams(repetition_penalty=1.5, presence_penalty=0.3, frequency_penalty=0.4)
     prompt, output = [1, 2, 6], [5, 7]
-    adjustment = LogitAdjustment(params, prompt, 16, torch.device("cpu"))
-    adjustment.count(output)
+    adjustment = PenaltyState(16, torch.device("cpu")).adjustment(params, prompt)
+    count([(adjustment, output)])
     logits = torch.randn(len(block.tokens), 16, generator=torch.Generator().manual_seed(0))
     got = adjust(logits, [AdjustedRows(adjustment, block.tokens, block.parent_rows, 0)])
     for row in range(len(block.tokens)):
@@ -138,15 +138,14 @@ def test_the_sessions_of_a_batch_are_adjusted_in_one_pass_each_as_by_hand() -> N
     tree = DraftTree((4, 5, 5), (-1, -1, 1), (1, 1, 2))
     block = BlockSpec.from_tree(10, 9, tree, [])
     paths = [[], [4], [5], [5, 5]]  # NOTE: each row's draft tokens from the root down (root excluded)
-    cpu, rows = torch.device("cpu"), len(block.tokens)
+    state, rows = PenaltyState(16, torch.device("cpu")), len(block.tokens)
     settings = [(SamplingParams(repetition_penalty=1.3, logit_bias=((3, 2.0),)), [1, 2, 6], [5, 7]),
                 (SamplingParams(frequency_penalty=0.5, presence_penalty=0.2), [2], [4, 4]),
                 (SamplingParams(logit_bias=((0, -5.0), (9, 1.5))), [0], [])]
     sessions = []
-    for (params, prompt, output), start in zip(settings, (0, rows, 3 * rows)):  # NOTE: rows 2r..3r: nobody's
-        adjustment = LogitAdjustment(params, prompt, 16, cpu)
-        adjustment.count(output)
-        sessions.append(AdjustedRows(adjustment, block.tokens, block.parent_rows, start))
+    for (params, prompt, _), start in zip(settings, (0, rows, 3 * rows)):  # NOTE: rows 2r..3r: nobody's
+        sessions.append(AdjustedRows(state.adjustment(params, prompt), block.tokens, block.parent_rows, start))
+    count([(session.adjustment, output) for session, (_, _, output) in zip(sessions, settings)])
     logits = torch.randn(4 * rows, 16, generator=torch.Generator().manual_seed(1))
     got = adjust(logits, sessions)
     for (params, prompt, output), session in zip(settings, sessions):
@@ -155,6 +154,41 @@ def test_the_sessions_of_a_batch_are_adjusted_in_one_pass_each_as_by_hand() -> N
             at = session.start + row
             torch.testing.assert_close(got[at], adjusted_by_hand(logits[at], prompt, counted + paths[row], params))
     assert torch.equal(got[2 * rows: 3 * rows], logits[2 * rows: 3 * rows])
+
+
+def test_a_step_counts_every_sessions_tokens_in_its_own_slot() -> None:
+    """One count for several sessions (a token twice in one output counts twice; an unpenalized session's output is
+    not counted), and a burst's counts at its penalized sessions' rows alone."""
+    state = PenaltyState(8, torch.device("cpu"))
+    frequency, bias = SamplingParams(frequency_penalty=0.5), SamplingParams(logit_bias=((1, 1.0),))
+    first, second = state.adjustment(frequency, [1]), state.adjustment(frequency, [2])
+    biased = state.adjustment(bias, [])
+    count([(first, [3, 3, 4]), (biased, [5]), (second, [4])])
+    assert state.counts[first.slot].tolist() == [0, 0, 0, 2, 1, 0, 0, 0]
+    assert state.counts[second.slot].tolist() == [0, 0, 0, 0, 1, 0, 0, 0]
+    assert state.counts[biased.slot].sum() == 0
+    burst = BurstCounts.of([(0, first), (1, biased), (2, second)])
+    burst.count(torch.tensor([7, 6, 0]))
+    assert state.counts[first.slot, 7] == 1 and state.counts[second.slot, 0] == 1
+    assert state.counts[biased.slot].sum() == 0
+    assert BurstCounts.of([(1, biased)]) is None
+
+
+def test_a_dropped_generations_slot_is_taken_again_and_starts_empty() -> None:
+    """Generations one after another reuse the state's slots (it does not grow), each starting with no counts and only
+    its own prompt marked; those alive at once each have their own."""
+    state = PenaltyState(32, torch.device("cpu"))
+    params = SamplingParams(repetition_penalty=1.2, frequency_penalty=0.5)
+    for turn in range(40):
+        adjustment = state.adjustment(params, [turn % 8])
+        assert state.counts[adjustment.slot].sum() == 0
+        assert state.in_prompt[adjustment.slot].nonzero().flatten().tolist() == [turn % 8]
+        count([(adjustment, [turn % 8, 1])])
+        del adjustment
+    assert len(state.counts) == 8
+    alive = [state.adjustment(params, [i]) for i in range(20)]
+    assert len({a.slot for a in alive}) == 20 and len(state.counts) == 32
+    assert [state.in_prompt[a.slot].nonzero().flatten().tolist() for a in alive[:8]] == [[i] for i in range(8)]
 
 
 def test_penalties_in_a_batch_leave_the_other_sessions_outputs_as_they_were(engine, references) -> None:

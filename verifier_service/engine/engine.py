@@ -25,12 +25,13 @@ from verifier_service.engine.config import TRITON_MAX_BLOCK, EngineConfig
 from verifier_service.engine.kv_cache import KVCache, TreeScratch
 from verifier_service.engine.logprobs import RowLogprobs, TokenLogprob, asking_spans, ranked_logprobs, read_back
 from verifier_service.engine.page_pool import PagePool
-from verifier_service.engine.penalties import AdjustedRows, LogitAdjustment, adjust
+from verifier_service.engine.penalties import AdjustedRows, BurstCounts, PenaltyState, adjust, count
 from verifier_service.engine.prefill import Prefill
 from verifier_service.engine.prefix_cache import PrefixCache
 from verifier_service.engine.sampling import MAX_LOGPROBS, RowSampling, SamplingParams, choose_tokens
 from verifier_service.engine.session import Generation, Session
 from verifier_service.engine.stopping import StopChecker, StopReason
+from verifier_service.engine.uploads import upload
 from verifier_service.engine.verify_batch import (
     BlockSpec,
     PrefillChunk,
@@ -100,6 +101,7 @@ class Engine:
         self.value_dim = self.model_config.mla.kv_lora_rank if self.model_config.mla else 0
         self.feature_layers = config.feature_layers  # NOTE: set by the service once a drafter says which
         self.sessions: dict[str, Session] = {}
+        self.penalties = PenaltyState(self.model_config.vocab_size, device)  # NOTE: no memory until a request asks
         # NOTE: a session whose prompt is in (or going in) and whose generation has not started yet -> the positions
         # that generation may reach: their pages are kept free for it (pages_owed)
         self.promised: dict[str, int] = {}
@@ -272,7 +274,7 @@ class Engine:
         decode = self.tokenizer.decode if self.tokenizer else None
         stop = StopChecker(params, self.model_config.eos_token_ids, decode)
         # NOTE: the prompt of a generation is everything before it: earlier turns and their outputs too
-        adjustment = LogitAdjustment(params, session.tokens, vocab, self.device) if params.adjusts_logits else None
+        adjustment = self.penalties.adjustment(params, session.tokens) if params.adjusts_logits else None
         session.generation = Generation(params, stop, generator, adjustment)
 
     def end_generation(self, session_id: str) -> None:
@@ -449,7 +451,7 @@ class Engine:
         rows = RowSampling.of([g.params for g in generations], counts, logits.shape[-1], logits.device)
         draws = np.concatenate([g.generator.random(n, dtype=np.float32) if g.generator is not None
                                 else np.zeros(n, dtype=np.float32) for g, n in zip(generations, counts)])
-        return choose_tokens(logits, rows, torch.from_numpy(draws).to(logits.device, non_blocking=True))
+        return choose_tokens(logits, rows, upload(draws, torch.float32, logits.device))
 
     def _distinct_sessions(self, session_ids: list[str]) -> list[Session]:
         sessions = [self.session(sid) for sid in session_ids]
@@ -489,7 +491,7 @@ class Engine:
         offsets = _offsets(blocks)
         targets, logprobs = self._targets(hidden, [s.generation for s in sessions], blocks, offsets)
 
-        results, src_rows, dst_slots = [], [], []
+        results, src_rows, dst_slots, counted = [], [], [], []
         for s, tree, (_, drafted), lo, session_targets, row_logprobs in zip(sessions, trees, work, offsets, targets,
                                                                             logprobs):
             generation = s.generation
@@ -497,7 +499,7 @@ class Engine:
             drafted_path = path if tree is drafted else [drafted.kept(tree.max_depth())[i] for i in path]
             emitted, reason = generation.stop.feed([tree.tokens[i] for i in path] + [next_root])
             if generation.adjustment is not None:
-                generation.adjustment.count(emitted)
+                counted.append((generation.adjustment, emitted))
             # NOTE: KV keeps tokens[:-1], so the root and all emitted tokens but the last are committed; these are
             # also the rows that chose the emitted tokens, one each
             rows = [lo] + [lo + 1 + i for i in path[: len(emitted) - 1]]
@@ -518,6 +520,7 @@ class Engine:
                 finished=reason,
                 logprobs=None if row_logprobs is None else [row_logprobs[row - lo] for row in rows],
             ))
+        count(counted)
         rows = self.commit(src_rows, dst_slots)
         if features is not None:  # NOTE: one gather for the batch (the commit's upload), split into views per session
             per_session = features[rows[0]].split([len(r.committed) for r in results])
@@ -555,7 +558,7 @@ class Engine:
 
         generations, rows = [s.generation for s in sessions], list(range(len(sessions)))
         offsets = [*rows, len(rows)]  # NOTE: one row a session
-        adjusted = [(row, g.adjustment) for row, g in enumerate(generations) if g.adjustment is not None]
+        counts = BurstCounts.of([(row, g.adjustment) for row, g in enumerate(generations) if g.adjustment is not None])
         ids, chosen, features, logprobs = None, [], [], []
         for offset in range(steps):
             # NOTE: the first step's tokens are the roots; later ones are the last step's choices, on the device
@@ -563,8 +566,8 @@ class Engine:
                       for s in sessions]
             hidden, step_features = self.forward(blocks, ids)
             ids, step_logprobs = self._choose(hidden, generations, blocks, offsets)
-            for row, adjustment in adjusted:  # NOTE: each step's choice counts for the next, on the device
-                adjustment.count(ids[row: row + 1])
+            if counts is not None:  # NOTE: each step's choice counts for the next, on the device
+                counts.count(ids)
             self.commit(rows, [s.block_table.slot(s.kv_len + offset) for s in sessions])
             chosen.append(ids)
             features.append(step_features)

@@ -5,9 +5,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from proto.limits import MAX_LOGIT_BIAS, MAX_LOGPROBS
+from verifier_service.engine.uploads import upload
 from verifier_service.errors import InvalidArgument
 
 MAX_TOP_K = 1 << 20
@@ -102,10 +104,10 @@ class RowSampling:
     def of(cls, params: list[SamplingParams], rows: list[int], vocab: int, device: torch.device) -> RowSampling:
         """params[i] for the next rows[i] rows."""
         top_ks = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
-        settings = torch.tensor([[p.temperature or 1.0 for p in params], [float(k) for k in top_ks],
-                                 [p.top_p if p.top_p < 1.0 else math.inf for p in params],
-                                 [float(p.greedy) for p in params]], dtype=torch.float32)
-        per_row = settings.repeat_interleave(torch.tensor(rows), dim=1).to(device, non_blocking=True)
+        settings = np.array([[p.temperature or 1.0 for p in params], [float(k) for k in top_ks],
+                             [p.top_p if p.top_p < 1.0 else math.inf for p in params],
+                             [float(p.greedy) for p in params]], dtype=np.float32)
+        per_row = upload(settings.repeat(rows, axis=1), torch.float32, device)
         return cls(per_row[0], per_row[1].long(), per_row[2], per_row[3].bool(), max(top_ks),
                    any(p.top_p < 1.0 for p in params), not all(p.greedy for p in params))
 

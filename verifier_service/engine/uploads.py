@@ -1,0 +1,16 @@
+"""Small host values to the device without waiting for it."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+def upload(values: list | np.ndarray, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """`values` as a tensor on `device`, copied from pinned host memory: a copy from pageable memory
+    (`torch.tensor(values, device=...)`) waits for the GPU to finish the work queued before it, so the host could not
+    prepare what follows (the next kernels, the next step) while a forward runs."""
+    host = torch.as_tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
