@@ -15,6 +15,7 @@ prompt in runs, broken where the edit is), replayed by a lone session on each of
 batch of 16 sessions, one text each.
 
     python benchmarks/budget_replay.py OUTPUTS.json [--verify-ms 13.5] [--row-us 13] [--round-ms 1.4]
+    python benchmarks/budget_replay.py OUTPUTS.json --fit RESULTS.json   # the costs of the run itself
     python benchmarks/budget_replay.py --git-edits REPO [--rev HEAD] [--edits 24] [--tokens 512]
 """
 
@@ -27,6 +28,8 @@ import statistics
 import subprocess
 import sys
 from pathlib import Path
+
+import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from budget_simulation import ENGINES, FIXED, Engine, adaptive_sessions, tokens_per_s  # noqa: E402
@@ -126,6 +129,8 @@ def main() -> None:
     parser.add_argument("--verify-ms", type=float, default=13.5, help="a verify step's fixed part")
     parser.add_argument("--row-us", type=float, default=13.0, help="a verify step's cost per row (tree node or root)")
     parser.add_argument("--round-ms", type=float, default=1.4, help="a drafting step's draft round trip")
+    parser.add_argument("--fit", type=Path, metavar="RESULTS.json",
+                        help="the three costs above fitted to the run's own steps (long_context.py's results JSON)")
     parser.add_argument("--git-edits", type=Path, metavar="REPO", help="replay code edits from this git repository "
                         "instead of recorded outputs, on every engine of budget_simulation.py")
     parser.add_argument("--rev", default="HEAD", help="--git-edits: the newest commit to take edits from")
@@ -137,12 +142,29 @@ def main() -> None:
     args = parser.parse_args()
     if (args.outputs is None) == (args.git_edits is None):
         parser.error("give either OUTPUTS.json or --git-edits REPO")
+    if args.fit is not None:
+        args.verify_ms, args.row_us, args.round_ms = fitted_costs(json.loads(args.fit.read_text()))
     command = " ".join(["python benchmarks/budget_replay.py", *sys.argv[1:]])
     args.out_dir.mkdir(parents=True, exist_ok=True)
     if args.git_edits is not None:
         replay_edits(args, command)
     else:
         replay_recorded(args, command)
+
+
+def fitted_costs(results: dict) -> tuple[float, float, float]:
+    """(verify ms, us a row, round ms) of a long_context.py run: the line through its fixed-budget speculative runs'
+    ms per step less their draft round, against their rows a step (drafted nodes and the root), least squares; the
+    round's median. The steps' cost in rows is what the policies trade, and at 128k a row costs ~0.1 ms (each reads
+    the whole prefix), where the defaults' 13 us suit a short context."""
+    runs = [r for r in results["rows"] if r["drafter"] != "none" and str(r["budget"]).isdigit()]
+    if len(runs) < 2:
+        raise SystemExit("--fit needs two or more fixed-budget speculative runs (long_context.py --tree-budgets)")
+    rows = np.array([r["drafted_nodes_per_step"] + 1 for r in runs])
+    verify = np.array([r["ms_per_step"] - r["draft_round_ms"] for r in runs])
+    slope, intercept = np.polyfit(rows, verify, 1)
+    return round(float(intercept), 2), round(float(slope) * 1e3, 1), round(statistics.median(r["draft_round_ms"]
+                                                                                          for r in runs), 2)
 
 
 def replay_recorded(args: argparse.Namespace, command: str) -> None:

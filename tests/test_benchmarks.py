@@ -345,6 +345,23 @@ def test_budget_replay_walks_every_policy_over_the_recorded_text(tmp_path: Path)
     assert "`recorded`" in (tmp_path / "budget_replay_tiny.md").read_text()
 
 
+def test_budget_replay_fits_its_costs_to_the_runs_own_steps(monkeypatch) -> None:
+    """--fit: the line through the fixed-budget runs' ms per step less their round, against rows a step (drafted
+    nodes and the root); adaptive and plain runs left out."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from benchmarks.budget_replay import fitted_costs
+
+    def run(drafter: str, budget: str, nodes: float, round_ms: float) -> dict:
+        return {"drafter": drafter, "budget": budget, "drafted_nodes_per_step": nodes, "draft_round_ms": round_ms,
+                "ms_per_step": 12.0 + 0.1 * (nodes + 1) + round_ms}
+
+    runs = [run("ngram", "7", 2.0, 2.0), run("ngram", "15", 4.0, 2.5), run("ngram", "63", 9.0, 3.0),
+            run("ngram", "adaptive", 40.0, 9.0), run("none", "-", 0.0, 0.0)]
+    assert fitted_costs({"rows": runs}) == (12.0, 100.0, 2.5)
+    with pytest.raises(SystemExit, match="two or more"):
+        fitted_costs({"rows": runs[:1]})
+
+
 def edited_repository(path: Path) -> str:
     """A git repository of two commits: a module, then the same module with one line changed 600 characters in.
     Returns the old and new versions' text joined by a NUL."""
