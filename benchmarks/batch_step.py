@@ -13,6 +13,7 @@ import argparse
 import cProfile
 import io
 import pstats
+import statistics
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -92,8 +93,10 @@ def measure(engine: Engine, weights: dict, sessions: int, budget: int, context: 
         else:
             engine.step(list(zip(ids, trees)))
 
-    wall = timed(step) / forwards
+    reps = [timed(step, reps=1, warmup=3 if rep == 0 else 0) / forwards for rep in range(10)]
+    wall = statistics.fmean(reps)
     row = {"sessions": sessions, "budget": budget, "context": context, "burst": forwards, "step_ms": wall,
+           "step_ms_each": reps,  # NOTE: one mean hides an outlier (a first call's allocation, a collection)
            "temperature": sampling.temperature, "top_p": sampling.top_p,
            "repetition_penalty": sampling.repetition_penalty, "frequency_penalty": sampling.frequency_penalty,
            "floor_ms": floor_ms(engine, weights, sessions, context, bandwidth)}
@@ -131,7 +134,8 @@ def markdown(result: dict) -> str:
                      f"| {busy} | {host} "
                      f"| {r['floor_ms']:.2f} | {r['step_ms'] / r['floor_ms']:.2f}x | {kernels(r)} |")
     return "\n".join(lines) + ("\n\nThe step is `Engine.step` (batch building, the forward, acceptance, commit) with "
-                               "the GPU synchronised after it (with several steps per call: `Engine.decode`, its times "
+                               "the GPU synchronised after it, the mean of 10 calls after 3 warm-ups (each call's in "
+                               "the JSON, `step_ms_each`) (with several steps per call: `Engine.decode`, its times "
                                "divided by its steps); GPU busy is the union of its kernels' intervals in the "
                                "profiler; the floor reads the layer and LM-head weights and every session's KV once "
                                "at the measured copy bandwidth.\n")
