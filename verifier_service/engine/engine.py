@@ -402,8 +402,7 @@ class Engine:
     def commit(self, src_rows: list[int], dst_slots: list[int]) -> torch.Tensor:
         """Copy tree-scratch rows into page slots, in every layer -> the rows as uploaded ([2, N] on the device:
         src_rows, dst_slots), for whatever else gathers the same rows."""
-        rows = torch.tensor([src_rows, dst_slots], pin_memory=self.device.type == "cuda")
-        rows = rows.to(self.device, non_blocking=True)  # NOTE: no wait for the GPU to drain
+        rows = upload([src_rows, dst_slots], torch.int64, self.device)
         self.backend.commit(self.kv, self.scratch, rows[0], rows[1])
         return rows
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from modeling.tree import DraftTree
+from verifier_service.engine.uploads import upload
 
 
 @dataclass(frozen=True)
@@ -68,10 +69,10 @@ def build_prefill_chunk(block: BlockSpec, page_size: int, device: torch.device |
     positions = torch.arange(block.prefix_len, block.prefix_len + len(block.tokens))
     pages = torch.tensor(block.pages or [0])
     slots = pages[positions // page_size] * page_size + positions % page_size
-    return PrefillChunk(input_ids=torch.tensor(block.tokens).to(device, non_blocking=True),
-                        positions=positions.to(device, non_blocking=True),
-                        block_table=pages.to(device=device, dtype=torch.int32, non_blocking=True),
-                        prefix_len=block.prefix_len, slots=slots.to(device, non_blocking=True))
+    return PrefillChunk(input_ids=upload(block.tokens, torch.int64, device),
+                        positions=upload(positions, torch.int64, device),
+                        block_table=upload(pages, torch.int32, device),
+                        prefix_len=block.prefix_len, slots=upload(slots, torch.int64, device))
 
 
 def _signed32(word: int) -> int:
@@ -98,16 +99,13 @@ def build_verify_batch(blocks: list[BlockSpec], device: torch.device | str) -> V
         tables.append(block.pages + [0] * (max_pages - len(block.pages)))
         cu.append(cu[-1] + len(block.tokens))
 
-    def as_tensor(values: list, dtype: torch.dtype = torch.int32) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
-
     return VerifyBatch(
-        input_ids=as_tensor(ids, torch.int64),
-        positions=as_tensor(positions, torch.int64),
-        block_tables=as_tensor(tables),
-        prefix_lens=as_tensor([b.prefix_len for b in blocks]),
-        cu_tree=as_tensor(cu),
-        tree_mask=as_tensor(mask),
+        input_ids=upload(ids, torch.int64, device),
+        positions=upload(positions, torch.int64, device),
+        block_tables=upload(tables, torch.int32, device),
+        prefix_lens=upload([b.prefix_len for b in blocks], torch.int32, device),
+        cu_tree=upload(cu, torch.int32, device),
+        tree_mask=upload(mask, torch.int32, device),
         max_prefix_len=max(b.prefix_len for b in blocks),
         max_tree_len=max_tree,
     )
