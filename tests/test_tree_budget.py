@@ -498,7 +498,7 @@ def test_a_drafting_passs_own_host_work_weighs_against_its_drafts() -> None:
 def test_idle_sessions_are_probed_together_within_the_share() -> None:
     """Sessions whose records say their drafts fail are probed all in one pass (one draft round for all), the first
     probe soon, later ones at intervals that keep the probes under 3% of the batch's time, and after a long run of
-    vain probes under a quarter of that (PROBE_SLOWEST), counted at 3 nodes a probe; the probes are of 7 nodes, the
+    vain probes under half of that (PROBE_SLOWEST), counted at 3 nodes a probe; the probes are of 7 nodes, the
     largest that cost at most PROBE_GROWTH times 3 (the 5 ms round is most of a probe's cost)."""
     costs = measured_costs()
     planner = BudgetPlanner(costs)

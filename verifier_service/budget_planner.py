@@ -28,11 +28,13 @@ PROBE_IDLE_STEPS = 4
 # next twice as far, and so on: a text that has stopped repeating often repeats again soon (a model's first tokens
 # after a prompt seldom repeat it, the next ones do), and a long run of probes in vain costs the share only
 PROBE_BACKOFF = 4
-# NOTE: ... and a long run of vain probes stretches the interval up to this many times (probes at a quarter of
-# `probe_share`): where nothing repeats they are all waste, and on the simulated grid this lost a little of the
-# warm-ups' edge (still above every fixed budget) against 18 -> 13 points below 0.95 of the best fixed
-# (budget_simulation.md)
-PROBE_SLOWEST = 4.0
+# NOTE: ... and a long run of vain probes stretches the interval up to this many times (probes at half of
+# `probe_share`): where nothing repeats they are all waste; but text that repeats in bursts some tens of steps apart
+# is found only by a probe that falls in a burst, and at 4 times a lone session at 128k probed every ~26 steps and
+# missed whole bursts that a fixed budget caught (budget_replay_qwen3-8b_h100_84b26e0.md, 50 texts: the worst
+# 0.93 -> 0.96 of the best fixed budget, none below 0.95; on the simulated grid the same points within 5%, texts that
+# never repeat ~1% lower; at 1, with no stretch, 12 fewer points within 5% there)
+PROBE_SLOWEST = 2.0
 # NOTE: drafting "pays" again, and the probes' backoff starts over, once it pays for this share of the free sessions:
 # a few sessions whose drafts happen to pay say little of the idle ones, and restarting the backoff on each of their
 # passes probed every idle session several times as often as the share allows (budget_simulation.md, drafts that
