@@ -25,9 +25,11 @@ runs each on N documents (the sessions' openings differ), so that a choice's med
 `--shared-prefill` prefills each document once and runs every choice on forks of its sessions, so that a run
 costs its decode only (at 128k a prefill is ~12 s, a 384-token decode ~2 s).
 
-A run too long for one sitting splits by drafter (or context): later parts add their rows with `--merge`, e.g.
+A run too long for one sitting splits by drafter, context or document: later parts add their rows (and with
+`--save-outputs` their texts) with `--merge`, e.g.
     python benchmarks/long_context.py --shape qwen3-8b --drafters none ngram
     python benchmarks/long_context.py --shape qwen3-8b --drafters dflash --merge
+    python benchmarks/long_context.py ... --documents 10 --first-document 11 --merge   # documents 11-20
 """
 
 from __future__ import annotations
@@ -297,6 +299,7 @@ class StackPlan:
     texts: dict[int, list[list[str]]]  # per context, per document: the sessions' prompts
     budgets: dict[str, int]  # a speculative drafter's runs per context: name -> the requests' pinned budget
     repeats: int  # runs of each budget per context and document, every other one in reverse order
+    first_document: int  # the number of texts[context][0] (a run split over calls by document)
     shared_prefill: bool  # each document prefilled once, every run on forks of its sessions
     max_new_tokens: int
     start_timeout_s: float
@@ -323,8 +326,8 @@ def measure(drafter: str, plan: StackPlan) -> tuple[list[dict], float]:
         rows = []
         budgets = {"-": 0} if drafter == "none" else plan.budgets
         for context, documents in plan.texts.items():
-            turn = 0
-            for document, texts in enumerate(documents, 1):
+            turn = (plan.first_document - 1) * plan.repeats  # NOTE: the order alternates across split calls too
+            for document, texts in enumerate(documents, plan.first_document):
                 first_outputs: list[list[int]] | None = None
                 parents, prefill_ms = (asyncio.run(prefill_sessions(gateway, texts)) if plan.shared_prefill
                                        else (None, None))
@@ -401,12 +404,19 @@ def check_mergeable(earlier: dict, shape: str, settings: dict) -> None:
 
 def merge(result: dict, earlier: dict) -> dict:
     """`result` with the rows of an earlier run of the same settings that it did not measure again (the rows of
-    one drafter, context and budget are the latest run's), and the earlier runs listed before its own."""
+    one drafter, context, budget and document are the latest run's), and the earlier runs listed before its own."""
     check_mergeable(earlier, result["shape"], result["settings"])
-    measured = {(r["drafter"], r["context"], r.get("budget", "-")) for r in result["rows"]}
-    rows = [r for r in earlier["rows"] if (r["drafter"], r["context"], r.get("budget", "-")) not in measured]
-    rows += result["rows"]
-    return {**result, "runs": earlier["runs"] + result["runs"], "rows": rows}
+    return {**result, "runs": earlier["runs"] + result["runs"], "rows": merged_rows(result["rows"], earlier["rows"])}
+
+
+def merged_rows(rows: list[dict], earlier: list[dict]) -> list[dict]:
+    """The earlier rows whose (drafter, context, budget, document) `rows` do not hold, then `rows`: the rows of the
+    results, or of the saved outputs."""
+    def key(row: dict) -> tuple:
+        return row["drafter"], row["context"], row.get("budget", "-"), row.get("document", 1)
+
+    measured = {key(r) for r in rows}
+    return [r for r in earlier if key(r) not in measured] + rows
 
 
 def markdown(result: dict) -> str:
@@ -518,6 +528,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="documents per context (the sessions' openings differ); every choice runs on each, "
                              "and the summary's medians are over all of them: with random weights the text, and "
                              "so the acceptance, changes with the document")
+    parser.add_argument("--first-document", type=int, default=1,
+                        help="the number of the first of the --documents (a run split over calls by document: "
+                             "--first-document 11 --merge adds documents 11-20 to a run of the first 10)")
     parser.add_argument("--shared-prefill", action="store_true",
                         help="prefill each document's prompts once (CreateSession) and run every choice on forks of "
                              "them (ForkSession): a run then costs its decode only, so many documents fit one call; "
@@ -557,9 +570,9 @@ def main() -> None:
     parser = build_parser()
     args = parser.parse_args()
     started = time.perf_counter()
-    if min(args.sessions, args.repeats, args.documents) < 1 or args.max_new_tokens < 2:
-        parser.error("--sessions, --repeats and --documents must be >= 1 and --max-new-tokens >= 2 (a step after the "
-                     "first token)")
+    if min(args.sessions, args.repeats, args.documents, args.first_document) < 1 or args.max_new_tokens < 2:
+        parser.error("--sessions, --repeats, --documents and --first-document must be >= 1 and --max-new-tokens >= 2 "
+                     "(a step after the first token)")
     pins = sweep_pins(parser, args)
     extra_verifier = verifier_words(args)
     if unknown := unknown_to_verifier(extra_verifier):
@@ -592,12 +605,14 @@ def main() -> None:
         kv_mb += kv_budget_mb(found.target, args.max_new_tokens + args.tree_budget + 2 * args.page_size,
                               args.sessions, args.page_size)
     # NOTE: --no-prefix-caching: every run of a document (budgets, repeats) prefills it, so TTFT is the prefill's
+    documents = range(args.first_document - 1, args.first_document - 1 + args.documents)
     plan = StackPlan(found, ("--tree-budget", str(args.tree_budget), "--max-context", str(max_context),
                              "--kv-budget-mb", f"{kv_mb:.1f}", "--page-size", str(args.page_size),
                              "--no-prefix-caching", *extra_verifier),
                      tuple(extra_drafter), {context: [[text[:context] for text in prompts(args.sessions, context, d)]
-                                                      for d in range(args.documents)] for context in args.contexts},
-                     pins, args.repeats, args.shared_prefill, args.max_new_tokens, args.start_timeout_s, args.log_dir)
+                                                      for d in documents] for context in args.contexts},
+                     pins, args.repeats, args.first_document, args.shared_prefill, args.max_new_tokens,
+                     args.start_timeout_s, args.log_dir)
     rows, start_s = [], {}
     for drafter in args.drafters:
         drafter_rows, start_s[drafter] = measure(drafter, plan)
@@ -617,8 +632,11 @@ def main() -> None:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     json_path.write_text(json.dumps(result, indent=1) + "\n")
     if args.save_outputs:
-        (args.out_dir / f"long_context_{args.shape}_outputs.json").write_text(
-            json.dumps({"command": run["command"], "commit": run["commit"], "rows": outputs}) + "\n")
+        outputs_path, command = args.out_dir / f"long_context_{args.shape}_outputs.json", run["command"]
+        if earlier is not None and outputs_path.exists():  # NOTE: the texts of the calls merged, as their rows
+            saved = json.loads(outputs_path.read_text())
+            outputs, command = merged_rows(outputs, saved["rows"]), f"{saved['command']}; then {command}"
+        outputs_path.write_text(json.dumps({"command": command, "commit": run["commit"], "rows": outputs}) + "\n")
     md_path.write_text(markdown(result))
     print(markdown(result))
 

@@ -58,6 +58,27 @@ def test_documents_run_every_choice_on_each_and_take_medians_over_all(tmp_path: 
     assert f"| 300 | ngram | 3 | 2 | {median:.1f} | 1.00x |" in table  # medians over both documents
 
 
+def test_documents_split_over_calls_merge_as_one_run(tmp_path: Path) -> None:
+    """Documents 1 and 2 in two calls (--first-document 2 --merge): the rows and saved texts of both, the second
+    call's document opened as a one-call run's second is, its choices in reverse order as there."""
+    common = ("long_context.py", "--shape", "tiny", "--contexts", "300", "--drafters", "ngram", "--tree-budgets",
+              "3", "adaptive", "--max-new-tokens", "12", "--save-outputs", "--out-dir", str(tmp_path))
+    run_benchmark(*common)
+    first = json.loads((tmp_path / "long_context_tiny_outputs.json").read_text())["rows"]
+    run_benchmark(*common, "--first-document", "2", "--merge")
+    result = json.loads((tmp_path / "long_context_tiny.json").read_text())
+    assert len(result["runs"]) == 2 and "--first-document 2 --merge" in result["runs"][1]["command"]
+    assert [(r["budget"], r["document"]) for r in result["rows"]] == [
+        ("3", 1), ("adaptive", 1), ("adaptive", 2), ("3", 2)]
+    saved = json.loads((tmp_path / "long_context_tiny_outputs.json").read_text())
+    assert [(o["budget"], o["document"]) for o in saved["rows"]] == [("3", 1), ("adaptive", 1), ("adaptive", 2),
+                                                                     ("3", 2)]
+    assert saved["rows"][:2] == first and "; then " in saved["command"]
+    # fp32: greedy is exact, so a document's runs agree, and the second document's opening writes another text
+    by_document = {o["document"]: o["token_ids"] for o in saved["rows"]}
+    assert by_document[1] == first[0]["token_ids"] and by_document[2] != by_document[1]
+
+
 def test_shared_prefill_runs_every_choice_on_forks_of_one_prefill(tmp_path: Path) -> None:
     """Each document's sessions prefilled once; every run generates on forks of them (no prefill of its own): the
     same rows, in the same order, as without."""
