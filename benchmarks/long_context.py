@@ -296,10 +296,9 @@ class StackPlan:
     checkpoints: Checkpoints
     verifier_args: tuple[str, ...]
     drafter_args: tuple[str, ...]
-    texts: dict[int, list[list[str]]]  # per context, per document: the sessions' prompts
+    texts: dict[int, dict[int, list[str]]]  # per context, per document number: the sessions' prompts
     budgets: dict[str, int]  # a speculative drafter's runs per context: name -> the requests' pinned budget
     repeats: int  # runs of each budget per context and document, every other one in reverse order
-    first_document: int  # the number of texts[context][0] (a run split over calls by document)
     shared_prefill: bool  # each document prefilled once, every run on forks of its sessions
     max_new_tokens: int
     start_timeout_s: float
@@ -326,13 +325,13 @@ def measure(drafter: str, plan: StackPlan) -> tuple[list[dict], float]:
         rows = []
         budgets = {"-": 0} if drafter == "none" else plan.budgets
         for context, documents in plan.texts.items():
-            turn = (plan.first_document - 1) * plan.repeats  # NOTE: the order alternates across split calls too
-            for document, texts in enumerate(documents, plan.first_document):
+            for document, texts in documents.items():
                 first_outputs: list[list[int]] | None = None
                 parents, prefill_ms = (asyncio.run(prefill_sessions(gateway, texts)) if plan.shared_prefill
                                        else (None, None))
                 try:
                     for repeat in range(1, plan.repeats + 1):
+                        turn = (document - 1) * plan.repeats + repeat - 1  # NOTE: alternates across split calls too
                         for budget, pin in (reversed if turn % 2 else list)(budgets.items()):
                             before = verifier_counters(metrics_port)
                             streams, duration_s = asyncio.run(run_sessions(gateway, texts, plan.max_new_tokens, pin,
@@ -346,7 +345,6 @@ def measure(drafter: str, plan: StackPlan) -> tuple[list[dict], float]:
                                          "run": repeat, **({"document_prefill_ms": prefill_ms} if parents else {})})
                             print(json.dumps({k: v for k, v in rows[-1].items() if k != "output_token_ids"}),
                                   flush=True)
-                        turn += 1
                 finally:
                     if parents:
                         asyncio.run(release_sessions(gateway, parents))
@@ -604,14 +602,14 @@ def main() -> None:
     if args.shared_prefill and not args.kv_budget_mb:  # NOTE: the forks' own pages beside their parents'
         kv_mb += kv_budget_mb(found.target, args.max_new_tokens + args.tree_budget + 2 * args.page_size,
                               args.sessions, args.page_size)
+    documents = range(args.first_document, args.first_document + args.documents)
+    texts = {context: {d: [text[:context] for text in prompts(args.sessions, context, d - 1)] for d in documents}
+             for context in args.contexts}
     # NOTE: --no-prefix-caching: every run of a document (budgets, repeats) prefills it, so TTFT is the prefill's
-    documents = range(args.first_document - 1, args.first_document - 1 + args.documents)
     plan = StackPlan(found, ("--tree-budget", str(args.tree_budget), "--max-context", str(max_context),
                              "--kv-budget-mb", f"{kv_mb:.1f}", "--page-size", str(args.page_size),
                              "--no-prefix-caching", *extra_verifier),
-                     tuple(extra_drafter), {context: [[text[:context] for text in prompts(args.sessions, context, d)]
-                                                      for d in documents] for context in args.contexts},
-                     pins, args.repeats, args.first_document, args.shared_prefill, args.max_new_tokens,
+                     tuple(extra_drafter), texts, pins, args.repeats, args.shared_prefill, args.max_new_tokens,
                      args.start_timeout_s, args.log_dir)
     rows, start_s = [], {}
     for drafter in args.drafters:
